@@ -1,0 +1,119 @@
+"""Acceptance accounting: one set of definitions, used by the reference decoder, the trainer's
+estimate, the eval reports and the SGLang adapters. See docs/metrics.md.
+
+For one verify step of one request with `a` accepted drafts (0 <= a <= depth, depth =
+speculative_num_steps), the step emits a + 1 tokens: the a drafts plus one token the target
+supplies itself (the bonus / correction token), which is never counted as accepted.
+
+* accepted drafts per step  = mean a                      ("acceptance length", no bonus)
+* tokens per step           = mean (a + 1)                (SGLang's "accept len")
+* draft acceptance rate     = sum a / (steps * depth)     (same denominator for chain and tree)
+* per-position acceptance   = P(a >= i), i = 1..depth, and P(a >= i | a >= i - 1)
+* histogram                 = P(a = j), j = 0..depth
+
+A request that stops inside an accepted run (EOS or max_new_tokens) counts only what it emitted:
+that step's a is (tokens emitted in the step) - 1. Then, per finished request,
+completion_tokens = sum over steps of (a + 1) + 1, the last 1 being the token prefill produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+
+@dataclasses.dataclass
+class AcceptanceStats:
+    depth: int
+    histogram_counts: list[int] = dataclasses.field(default_factory=list)  # [j] = steps with a == j
+
+    def __post_init__(self):
+        if not self.histogram_counts:
+            self.histogram_counts = [0] * (self.depth + 1)
+        if len(self.histogram_counts) != self.depth + 1:
+            raise ValueError(f"histogram_counts has {len(self.histogram_counts)} bins, depth {self.depth} needs "
+                             f"{self.depth + 1}")
+
+    # ---------------------------------------------------------------------------------- updates
+    def add_step(self, accepted_drafts: int) -> None:
+        if not 0 <= accepted_drafts <= self.depth:
+            raise ValueError(f"accepted_drafts={accepted_drafts} outside 0..depth={self.depth}")
+        self.histogram_counts[accepted_drafts] += 1
+
+    def add_steps(self, accepted: Iterable[int]) -> None:
+        for a in accepted:
+            self.add_step(a)
+
+    def merge(self, other: "AcceptanceStats") -> "AcceptanceStats":
+        if other.depth != self.depth:
+            raise ValueError(f"cannot merge depth {other.depth} into depth {self.depth}")
+        return AcceptanceStats(self.depth, [x + y for x, y in zip(self.histogram_counts, other.histogram_counts)])
+
+    # --------------------------------------------------------------------------------- readouts
+    @property
+    def verify_steps(self) -> int:
+        return sum(self.histogram_counts)
+
+    @property
+    def accepted_drafts(self) -> int:
+        return sum(j * c for j, c in enumerate(self.histogram_counts))
+
+    @property
+    def emitted_tokens(self) -> int:
+        """Tokens emitted by verify steps (drafts + bonus), excluding the prefill token."""
+        return self.accepted_drafts + self.verify_steps
+
+    @property
+    def accepted_drafts_per_step(self) -> float:
+        return self.accepted_drafts / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.emitted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        denom = self.verify_steps * self.depth
+        return self.accepted_drafts / denom if denom else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """P(a >= i) for i = 1..depth."""
+        n = self.verify_steps
+        return [sum(self.histogram_counts[i:]) / n if n else 0.0 for i in range(1, self.depth + 1)]
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        """P(a >= i | a >= i - 1) for i = 1..depth (0 where nothing reached position i - 1)."""
+        out = []
+        for i in range(1, self.depth + 1):
+            reached = sum(self.histogram_counts[i - 1:])
+            out.append(sum(self.histogram_counts[i:]) / reached if reached else 0.0)
+        return out
+
+    @property
+    def histogram(self) -> list[float]:
+        n = self.verify_steps
+        return [c / n if n else 0.0 for c in self.histogram_counts]
+
+    def to_dict(self) -> dict:
+        return {"depth": self.depth, "verify_steps": self.verify_steps, "accepted_drafts": self.accepted_drafts,
+                "accepted_drafts_per_step": self.accepted_drafts_per_step, "tokens_per_step": self.tokens_per_step,
+                "draft_acceptance_rate": self.draft_acceptance_rate,
+                "per_position_acceptance": self.per_position_acceptance,
+                "conditional_acceptance": self.conditional_acceptance, "histogram": self.histogram,
+                "histogram_counts": list(self.histogram_counts)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AcceptanceStats":
+        return cls(int(d["depth"]), [int(x) for x in d["histogram_counts"]])
+
+
+def completion_tokens_invariant(stats: AcceptanceStats) -> int:
+    """completion_tokens a finished request must report: sum(a + 1) + 1 (the prefill token)."""
+    return stats.emitted_tokens + 1
+
+
+def accepted_drafts_from_sglang_accept_length(accept_length: float) -> float:
+    """SGLang's accept length (log line, avg_spec_accept_length) counts the bonus token: subtract it."""
+    return accept_length - 1.0

@@ -1,0 +1,194 @@
+"""Aux hidden-state capture for Eagle3 under SGLang 0.5.17, following sglang_ext.conventions.
+
+Extends (AROUND hooks, registered by sglang_ext.plugin):
+  * ``sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture`` -- also
+    serves DeepseekV3ForCausalLM / DeepseekV32ForCausalLM (subclasses) and
+    KimiK25ForConditionalGeneration (delegates to its DeepseekV3 language model). Upstream shifts
+    ids by one only when the first id is 1, and cannot capture the last layer's output.
+  * ``sglang.srt.models.llama.LlamaForCausalLM.set_eagle3_layers_to_capture`` -- Llama-family
+    targets through the same path.
+
+The replacement reads the draft's config (declared convention, fc width), resolves the physical
+layers, refuses bad input with a ConfigError at startup, sets the model's ``layers_to_capture``,
+and logs one line naming the layers and where they came from. The output of the last layer (which
+SGLang's layer loop never reaches) is captured from the final norm's residual sum.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from sglang_ext import checkpoint
+from sglang_ext.conventions import (
+    OVERRIDE_ENV,
+    AuxLayerPlan,
+    ConfigError,
+    load_json,
+    parse_draft,
+    parse_target,
+    plan_for_ids,
+    to_output_ids,
+)
+
+logger = logging.getLogger(__name__)
+
+DUMP_DIR_ENV = "SGLANG_EXT_AUX_DUMP_DIR"  # debug: write captured aux states of prefill batches
+DUMP_MAX_ENV = "SGLANG_EXT_AUX_DUMP_MAX"  # how many prefill batches to write (default 4)
+
+HOOK_TARGETS = {
+    "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture": "deepseek",
+    "sglang.srt.models.llama.LlamaForCausalLM.set_eagle3_layers_to_capture": "llama",
+}
+
+
+def _draft_dir(path: str | None) -> str | None:
+    """A local directory for the draft (a path, or a hub id already in the local cache)."""
+    if not path:
+        return None
+    if os.path.isdir(path):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, allow_patterns=["config.json", "*.json"], local_files_only=True)
+    except Exception:  # not cached: SGLang downloads it later; we fall back to the ids it passes
+        return None
+
+
+def _server_draft_path() -> str | None:
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        return get_global_server_args().speculative_draft_model_path
+    except Exception:  # no server context (a bare model in a test): nothing to read
+        return None
+
+
+def plan_for_target(text_config: dict, architecture: str, layer_ids, draft_path: str | None,
+                    override: str | None) -> AuxLayerPlan:
+    """Resolve and validate; raise the first ConfigError (all of them are in its message)."""
+    target = parse_target(dict(text_config, architectures=[architecture]))
+    ids, convention, fc_in = layer_ids, None, None  # no readable draft: the ids SGLang passed, its way
+    draft_dir = _draft_dir(draft_path)
+    if draft_dir is not None:
+        draft = parse_draft(load_json(draft_dir))
+        ids, convention = draft.aux_layer_ids, draft.aux_layer_convention
+        fc_in = checkpoint.fc_in_features(checkpoint.weight_shapes(draft_dir))
+    plan, errors = plan_for_ids(target, ids, convention, override, fc_in)
+    if errors:
+        if len(errors) > 1:
+            raise ConfigError(errors[0].field, errors[0].value, errors[0].problem + " (and: " +
+                              "; ".join(str(e) for e in errors[1:]) + ")", errors[0].fix)
+        raise errors[0]
+    return plan
+
+
+def _apply_plan(model, plan: AuxLayerPlan, num_layers: int, family: str) -> None:
+    inner = model.model
+    indices = plan.capture_indices
+    start = getattr(inner, "start_layer", 0)
+    early = [k - 1 for k in indices if k < start]  # SGLang captures on the last PP stage only
+    if early:
+        raise ConfigError("eagle_aux_hidden_state_layer_ids", list(plan.output_ids),
+                          f"with pipeline parallelism SGLang 0.5.17 captures aux states only on the last "
+                          f"stage, which starts at layer {start}; layer(s) {early} are on an earlier stage",
+                          "use fewer pipeline stages or capture layers of the last stage")
+    model.capture_aux_hidden_states = True
+    inner.layers_to_capture = [k for k in indices if k < num_layers]
+    capture_final = num_layers in indices
+    dump_dir = os.environ.get(DUMP_DIR_ENV)
+    if capture_final or dump_dir:
+        _wrap_forward(inner, capture_final, dump_dir, family)
+
+
+def _wrap_forward(inner, capture_final: bool, dump_dir: str | None, family: str) -> None:
+    """Instance-level forward wrapper (zero cost for models that need neither feature)."""
+    stash: dict[str, torch.Tensor] = {}
+
+    def keep_final(_module, args, output):
+        # fused add-norm returns (normed, hidden + residual): the last layer's output
+        stash["final"] = output[1] if isinstance(output, tuple) else args[0]
+
+    if capture_final:
+        inner.norm.register_forward_hook(keep_final)
+    original = inner.forward
+    dumped = [0]
+    dump_max = int(os.environ.get(DUMP_MAX_ENV, "4"))
+
+    def forward(input_ids, positions, forward_batch, *args, **kwargs):
+        stash.clear()
+        out = original(input_ids, positions, forward_batch, *args, **kwargs)
+        if capture_final and not isinstance(out, torch.Tensor) and not isinstance(out, tuple):
+            return out  # PP proxy tensors of an earlier stage
+        if capture_final:
+            hidden, aux = out if isinstance(out, tuple) else (out, None)
+            final = stash.get("final", hidden)  # idle batches skip the norm; hidden is empty then
+            if aux is None:
+                aux = [final] if family == "llama" else final.clone()
+            elif isinstance(aux, torch.Tensor):
+                aux = torch.cat([aux, final], dim=-1)
+            else:
+                aux = list(aux) + [final]
+            out = (hidden, aux)
+        if dump_dir and dumped[0] < dump_max and isinstance(out, tuple):
+            if _dump(dump_dir, dumped[0], input_ids, positions, forward_batch, out[1]):
+                dumped[0] += 1
+        return out
+
+    inner.forward = forward
+
+
+def _dump(dump_dir, index, input_ids, positions, forward_batch, aux) -> bool:
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    if forward_batch.forward_mode != ForwardMode.EXTEND or torch.cuda.is_current_stream_capturing():
+        return False
+    try:
+        from sglang.srt.distributed import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+    except Exception:
+        rank = 0
+    if rank != 0:
+        return False
+    from safetensors.torch import save_file
+
+    if not isinstance(aux, torch.Tensor):
+        aux = torch.cat(list(aux), dim=-1)
+    os.makedirs(dump_dir, exist_ok=True)
+    save_file({"input_ids": input_ids.detach().cpu().contiguous(),
+               "positions": positions.detach().cpu().contiguous(),
+               "aux_hidden_states": aux.detach().float().cpu().contiguous()},
+              os.path.join(dump_dir, f"aux-{index:03d}.safetensors"))
+    return True
+
+
+def make_hook(family: str):
+    """AROUND hook for ``set_eagle3_layers_to_capture(self, layer_ids=None)``."""
+
+    def set_eagle3_layers_to_capture(original_fn, self, layer_ids=None):
+        if not self.pp_group.is_last_rank:
+            return original_fn(self, layer_ids)  # upstream: nothing to capture off the last stage
+        config = self.config.to_dict() if hasattr(self.config, "to_dict") else dict(vars(self.config))
+        arch = (getattr(self.config, "architectures", None) or [type(self).__name__])[0]
+        if family == "deepseek" and arch not in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                                                 "DeepseekV32ForCausalLM"):
+            arch = "DeepseekV3ForCausalLM"  # a VL wrapper's text model (Kimi-K2.5) is a DeepseekV3
+        plan = plan_for_target(config, arch, layer_ids, _server_draft_path(), os.environ.get(OVERRIDE_ENV))
+        num_layers = int(config["num_hidden_layers"])
+        _apply_plan(self, plan, num_layers, family)
+        upstream = None
+        if layer_ids is not None:
+            upstream = to_output_ids(layer_ids, "sglang", family)
+        note = "" if upstream in (None, list(plan.output_ids)) else \
+            f" (upstream SGLang would capture outputs of {upstream})"
+        logger.info("[sglang_ext] %s%s", plan.describe(num_layers), note)
+        self._sglang_ext_aux_plan = plan
+        return None
+
+    set_eagle3_layers_to_capture.__sglang_ext_family__ = family
+    return set_eagle3_layers_to_capture
+

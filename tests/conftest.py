@@ -1,0 +1,66 @@
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K_TEST = os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k", "test.jsonl")
+
+
+def write_model_dir(path, config: dict, tensors: dict | None = None):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    if tensors:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    return str(path)
+
+
+def kimi_k25_config():
+    """Kimi-K2.5's shape: a VL wrapper around a 61-layer DeepseekV3 text model (no weights)."""
+    return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+            "text_config": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+                            "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840,
+                            "num_attention_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}}
+
+
+def deepseek_v3_config():
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 61,
+            "hidden_size": 7168, "vocab_size": 129280, "num_attention_heads": 128, "q_lora_rank": 1536,
+            "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+
+
+def draft_config(arch="LlamaForCausalLMEagle3", hidden=64, vocab=163840, ids=None, convention=None):
+    eagle = {"use_aux_hidden_state": True}
+    if ids is not None:
+        eagle["eagle_aux_hidden_state_layer_ids"] = ids
+    if convention is not None:
+        eagle["aux_layer_convention"] = convention
+    cfg = {"architectures": [arch], "hidden_size": hidden, "vocab_size": vocab, "draft_vocab_size": 32,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "eagle_config": eagle}
+    return cfg
+
+
+@pytest.fixture
+def make_draft(tmp_path):
+    """make_draft(name, target_hidden, n_aux, **draft_config kwargs) -> dir with config + fc.weight."""
+    def make(name, target_hidden=7168, n_aux=3, **kw):
+        cfg = draft_config(**kw)
+        fc = torch.zeros(cfg["hidden_size"], target_hidden * n_aux, dtype=torch.bfloat16)
+        return write_model_dir(tmp_path / name, cfg, {"fc.weight": fc})
+    return make
+
+
+@pytest.fixture
+def run_cli():
+    import subprocess
+
+    def run(*args):
+        p = subprocess.run([sys.executable, "-m", "sglang_ext", *args], capture_output=True, text=True, cwd=REPO,
+                           env=dict(os.environ, SGLANG_EXT_EAGLE3_AUX_LAYERS=""))
+        return p.returncode, p.stdout + p.stderr
+    return run

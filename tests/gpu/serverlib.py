@@ -1,0 +1,79 @@
+"""Start and stop `python -m sglang.launch_server` inside one GPU run (used by tests/gpu/*.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+PORT = int(os.environ.get("GPU_CHECK_PORT", "30177"))
+BASE_ARGS = ["--attention-backend", "triton", "--mem-fraction-static", "0.3", "--max-running-requests", "32",
+             "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32", "--disable-prefill-cuda-graph",
+             "--host", "127.0.0.1", "--port", str(PORT), "--log-level", "info"]
+
+
+class Server:
+    def __init__(self, name: str, args: list[str], env: dict | None = None, log_dir: str = "/tmp/gpu-logs"):
+        os.makedirs(log_dir, exist_ok=True)
+        self.name, self.log_path = name, os.path.join(log_dir, f"{name}.log")
+        self.url = f"http://127.0.0.1:{PORT}"
+        full_env = dict(os.environ, **(env or {}))
+        self.t0 = time.time()
+        self.proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *BASE_ARGS, *args],
+                                     stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True)
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float = 300) -> bool:
+        while time.time() - self.t0 < timeout:
+            if "ready to roll" in self.log():
+                self.ready_s = time.time() - self.t0
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(1)
+        return False
+
+    def post(self, path: str, payload: dict, timeout: float = 300):
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def get(self, path: str, timeout: float = 60) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return r.read().decode()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except Exception:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.wait_gpu_free()
+
+    @staticmethod
+    def wait_gpu_free(limit_mib: int = 4000) -> None:
+        for _ in range(60):
+            try:
+                used = int(subprocess.check_output(["nvidia-smi", "--query-gpu=memory.used",
+                                                    "--format=csv,noheader,nounits"]).split()[0])
+            except Exception:
+                return
+            if used < limit_mib:
+                return
+            time.sleep(1)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,135 @@
+"""The SGLang plugin: discovered through its entry point, loaded by SGLang's own `load_plugins()` in
+a fresh interpreter (sglang 0.5.17 installed), patching the targets' `set_eagle3_layers_to_capture`."""
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO, write_model_dir
+
+pytest.importorskip("sglang")
+
+
+def run_py(code: str, **env) -> subprocess.CompletedProcess:
+    e = dict(os.environ, **env)
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=REPO,
+                       env=e, timeout=300)
+    return p
+
+
+def test_entry_point_is_registered():
+    eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
+    assert eps.get("sglang_eagle3_mla") == "sglang_ext.plugin:register"
+
+
+def test_import_is_light():
+    p = run_py("""
+        import sys, sglang_ext, sglang_ext.conventions, sglang_ext.inspect_draft, sglang_ext.plugin
+        heavy = [m for m in ("sglang", "torch", "transformers") if m in sys.modules]
+        assert not heavy, heavy
+        print("ok")""")
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr
+
+
+PATCHED = """
+    import functools, json, logging, sys, types
+    logging.basicConfig(level=logging.INFO)
+    import torch
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+    from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
+    from sglang.srt.models.llama import LlamaForCausalLM
+    from transformers import DeepseekV3Config, LlamaConfig
+    from sglang_ext.serving import aux_capture
+
+    def standin(cfg):
+        # the attributes set_eagle3_layers_to_capture reads and writes on a target model instance
+        inner = torch.nn.Module()
+        inner.norm = torch.nn.Identity()
+        inner.layers_to_capture, inner.start_layer = [], 0
+        return types.SimpleNamespace(config=cfg, model=inner, pp_group=types.SimpleNamespace(is_last_rank=True),
+                                     capture_aux_hidden_states=False)
+
+    def call(cls, cfg, ids, draft=None):
+        aux_capture._server_draft_path = lambda: draft
+        m = standin(cfg)
+        cls.set_eagle3_layers_to_capture(m, ids)
+        return m
+
+    ds = DeepseekV3Config(num_hidden_layers=61, hidden_size=64, vocab_size=100, architectures=["DeepseekV3ForCausalLM"])
+    out = {"wrapped": hasattr(DeepseekV3ForCausalLM.set_eagle3_layers_to_capture, "__wrapped__")}
+    for name, ids in [("specforge", [1, 29, 57]), ("verbatim", [2, 30, 58]), ("default", None)]:
+        m = call(DeepseekV3ForCausalLM, ds, ids)
+        out[name] = [m.model.layers_to_capture, m.capture_aux_hidden_states, m._sglang_ext_aux_plan.source]
+    m = call(DeepseekV3ForCausalLM, ds, [1, 29, 57], draft=sys.argv[1])  # the draft declares 'output' [1, 29, 60]
+    out["declared_last"] = [m.model.layers_to_capture, "forward" in vars(m.model)]
+    ll = LlamaConfig(num_hidden_layers=30, hidden_size=64, vocab_size=100, architectures=["LlamaForCausalLM"])
+    out["llama"] = call(LlamaForCausalLM, ll, [2, 15, 27]).model.layers_to_capture
+    inner = standin(ds)
+    kimi = types.SimpleNamespace(language_model=types.SimpleNamespace(
+        set_eagle3_layers_to_capture=functools.partial(DeepseekV2ForCausalLM.set_eagle3_layers_to_capture, inner)))
+    aux_capture._server_draft_path = lambda: None
+    KimiK25ForConditionalGeneration.set_eagle3_layers_to_capture(kimi, [1, 29, 57])
+    out["kimi"] = inner.model.layers_to_capture
+    try:
+        call(DeepseekV3ForCausalLM, ds, [1, 29, 61])
+    except Exception as e:
+        out["bad"] = [type(e).__name__, str(e)]
+    print("RESULT" + json.dumps(out))
+"""
+
+
+def _result(p):
+    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT")), None)
+    assert line, p.stdout[-2000:] + p.stderr[-4000:]
+    return json.loads(line[len("RESULT"):])
+
+
+@pytest.fixture(scope="module")
+def declared_draft(tmp_path_factory):
+    d = tmp_path_factory.mktemp("draft")
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 32, "vocab_size": 100,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 60], "aux_layer_convention": "output"}}
+    import torch
+    return write_model_dir(d, cfg, {"fc.weight": torch.zeros(32, 192)})
+
+
+def test_plugin_patches_targets_in_a_fresh_interpreter(declared_draft):
+    p = run_py(PATCHED.replace("sys.argv[1]", repr(declared_draft)), SGLANG_PLUGINS="sglang_eagle3_mla")
+    r = _result(p)
+    assert r["wrapped"]
+    # undeclared ids are read as upstream SGLang 0.5.17 reads them (published drafts keep their layers)
+    assert r["specforge"] == [[2, 30, 58], True, "draft config"]
+    assert r["verbatim"] == [[2, 30, 58], True, "draft config"]
+    assert r["default"] == [[2, 30, 58], True, "default"]
+    # a declared convention wins; the last layer's output (capture index 61) is taken by the forward wrapper
+    assert r["declared_last"] == [[2, 30], True]
+    assert r["llama"] == [3, 16, 28]
+    assert r["kimi"] == [2, 30, 58]
+    assert r["bad"][0] == "ConfigError" and "eagle_aux_hidden_state_layer_ids" in r["bad"][1]
+    assert "[61] out of range" in r["bad"][1]
+    assert "[sglang_ext] Eagle3 aux hidden states: outputs of decoder layers" in p.stderr
+
+
+def test_sglang_plugins_whitelist_excludes_the_plugin():
+    p = run_py("""
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+        print("RESULT", hasattr(DeepseekV2ForCausalLM.set_eagle3_layers_to_capture, "__wrapped__"))
+        """, SGLANG_PLUGINS="some_other_plugin")
+    assert "RESULT False" in p.stdout, p.stderr[-3000:]
+
+
+def test_operator_override_env(declared_draft):
+    p = run_py(PATCHED.replace("sys.argv[1]", repr(declared_draft)), SGLANG_PLUGINS="sglang_eagle3_mla",
+               SGLANG_EXT_EAGLE3_AUX_LAYERS="3,20,28")  # valid for the 61- and the 30-layer target
+    r = _result(p)
+    assert r["specforge"] == [[4, 21, 29], True, "override"]
+    assert r["llama"] == [4, 21, 29]
