@@ -4,6 +4,11 @@ TARGET  ?= smollm2
 DRAFT   ?= out/draft
 PORT    ?= 30000
 SPEC    ?= --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
+DRAFT_FORMAT ?= mha
+WORK    ?= out/work
+DATA    ?=
+LIMIT   ?= 30
+EVAL_OUT ?= out/eval-gsm8k
 
 .PHONY: install test test-fast serve inspect train-draft eval-gsm8k gpu-prepare
 
@@ -26,11 +31,14 @@ serve:  ## SGLang server with an Eagle3 draft (GPU): make serve TARGET=/models/K
 	$(PY) -m sglang.launch_server --model-path $(TARGET) --speculative-algorithm EAGLE3 \
 	  --speculative-draft-model-path $(DRAFT) $(SPEC) --port $(PORT) $(SERVE_ARGS)
 
-train-draft:  ## not yet: the trainer lands with its own issue
-	@echo "make train-draft: not yet implemented (see the trainer issue); nothing was trained" && exit 1
+train-draft:  ## regenerate + capture + train + export an Eagle3 head (CPU default: SmolLM2, ~15 min)
+	$(PY) -m training.train_draft --target $(TARGET) --draft-format $(DRAFT_FORMAT) --out $(DRAFT) \
+	  --work $(WORK) $(foreach d,$(DATA),--data $(d)) $(if $(CONFIG),--config $(CONFIG)) $(TRAIN_ARGS)
 
-eval-gsm8k:  ## not yet: the GSM8K evaluation lands with its own issue
-	@echo "make eval-gsm8k: not yet implemented (see the evaluation issue)" && exit 1
+eval-gsm8k:  ## GSM8K accuracy + acceptance, spec vs no spec (reference decoder; BASE_URL=... for a server)
+	$(PY) -m eval.gsm8k --compare --limit $(LIMIT) --out $(EVAL_OUT) \
+	  $(if $(BASE_URL),--base-url $(BASE_URL) --compare-base-url $(NOSPEC_URL),--target $(TARGET) --draft $(DRAFT)) \
+	  $(EVAL_ARGS)
 
 gpu-prepare:  ## stage SGLang 0.5.17 + this wheel in .devbundle/ for a lent GPU (../shared/device/README.md)
 	bash ../shared/device/prepare.sh .

@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from sglang_ext.core.heads import Eagle3Head, HeadConfig
+from sglang_ext.core.heads import Eagle3Head, HeadConfig, head_config_for  # noqa: F401 (re-export)
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
           "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
@@ -86,32 +86,6 @@ def save_target(model, tokenizer, out_dir: str, dtype=torch.bfloat16) -> str:
         with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
             json.dump({"eos_token_id": tokenizer.eos_token_id, "do_sample": False}, f)
     return out_dir
-
-
-def head_config_for(target_config, head_format: str, aux_layer_ids, draft_vocab_size=None,
-                    **overrides) -> HeadConfig:
-    """A head sized like the target: MHA with the target's width, MLA with its MLA dimensions."""
-    t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    hidden = t.hidden_size
-    cfg = dict(head_format=head_format, hidden_size=hidden, intermediate_size=t.intermediate_size,
-               num_attention_heads=t.num_attention_heads, vocab_size=t.vocab_size, target_hidden_size=hidden,
-               num_aux=len(aux_layer_ids), aux_layer_ids=list(aux_layer_ids), draft_vocab_size=draft_vocab_size,
-               rms_norm_eps=t.rms_norm_eps, max_position_embeddings=t.max_position_embeddings)
-    rope = getattr(t, "rope_parameters", None) or {}
-    cfg["rope_theta"] = float(rope.get("rope_theta", getattr(t, "rope_theta", 10000.0)))
-    if head_format == "mha":
-        kv = getattr(t, "num_key_value_heads", None) or t.num_attention_heads
-        cfg.update(num_key_value_heads=kv if t.num_attention_heads % kv == 0 else t.num_attention_heads,
-                   head_dim=getattr(t, "head_dim", None) or hidden // t.num_attention_heads)
-        if getattr(t, "qk_nope_head_dim", None):  # MHA head under an MLA target: a plain head size
-            cfg["head_dim"] = 64 if hidden >= 256 else 32
-    else:
-        for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            cfg[f] = getattr(t, f, None)
-        if cfg["kv_lora_rank"] is None:  # MLA head under an MHA target: DeepSeek-like small dims
-            cfg.update(q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
-    cfg.update(overrides)
-    return HeadConfig(**cfg)
 
 
 def random_head(cfg: HeadConfig, target=None, seed: int = 0, std: float = 0.02) -> Eagle3Head:

@@ -1,0 +1,351 @@
+"""`make eval-gsm8k` / `python -m eval.gsm8k`: GSM8K accuracy and speculative acceptance, with and
+without speculation, always through the target's chat template.
+
+Prompts are k-shot multi-turn chats (each exemplar a user turn and an assistant turn), greedy by
+default; answers are extracted strictly (`#### N`) and flexibly (the last number). Backends:
+  * `--base-url URL`: an SGLang server (`/generate` with the chat-rendered prompt, so every request
+    returns its speculative counters in `meta_info`), many requests in flight;
+  * default: the core's in-process reference decoder (target + Eagle3 head, CPU or GPU).
+`--compare` runs the same questions without speculation too (a second server URL, or the reference
+decoder with speculation off) and adds McNemar's test and the speed/acceptance ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import re
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from tqdm import tqdm
+
+from sglang_ext.core.accounting import AcceptanceStats
+from eval.report import write_reports
+
+SHARED = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
+                                       "gsm8k"))
+NUM = r"-?[\d,]*\.?\d+"
+
+
+# ------------------------------------------------------------------------------------- answers
+
+
+def normalize_number(s: str | None) -> str | None:
+    """'$1,234.50' -> '1234.5'; '18.00' -> '18'; None/unparseable -> None."""
+    if s is None:
+        return None
+    s = s.strip().replace(",", "").replace("$", "").rstrip(".")
+    try:
+        v = float(s)
+    except ValueError:
+        return None
+    if math.isnan(v) or math.isinf(v):
+        return None
+    return str(int(v)) if v == int(v) else repr(v).rstrip("0").rstrip(".")
+
+
+def extract_strict(text: str) -> str | None:
+    m = re.search(r"####\s*\$?\s*(" + NUM + ")", text)
+    return normalize_number(m.group(1)) if m else None
+
+
+def extract_flexible(text: str) -> str | None:
+    nums = re.findall(NUM, text.replace("$", ""))
+    nums = [n for n in nums if re.search(r"\d", n)]
+    return normalize_number(nums[-1]) if nums else None
+
+
+def reference_answer(answer: str) -> str | None:
+    return extract_strict(answer)
+
+
+# ---------------------------------------------------------------------------------------- data
+
+
+def load_gsm8k(path: str | None, split: str, limit: int | None) -> tuple[list[dict], int]:
+    """Rows with question/answer and the number of malformed lines skipped. `path` None: the local
+    shared copy if present, else `datasets` (openai/gsm8k)."""
+    local = path or os.path.join(SHARED, f"{split}.jsonl")
+    rows, bad = [], 0
+    if os.path.exists(local):
+        with open(local) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    r = json.loads(line)
+                    if isinstance(r.get("question"), str) and reference_answer(str(r.get("answer", ""))) is not None:
+                        rows.append(r)
+                    else:
+                        bad += 1
+                except json.JSONDecodeError:
+                    bad += 1
+                if limit and len(rows) >= limit:
+                    break
+        return rows, bad
+    if path:
+        raise FileNotFoundError(f"--data-path {path} does not exist")
+    import datasets
+
+    ds = datasets.load_dataset("openai/gsm8k", "main", split=split)
+    rows = [dict(r) for r in ds.select(range(min(limit or len(ds), len(ds))))]
+    return rows, 0
+
+
+def fewshot_messages(exemplars: list[dict], question: str) -> list[dict]:
+    msgs = []
+    for ex in exemplars:
+        msgs += [{"role": "user", "content": ex["question"]}, {"role": "assistant", "content": ex["answer"]}]
+    return msgs + [{"role": "user", "content": question}]
+
+
+def render_prompt(tokenizer, messages) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat_template: GSM8K is evaluated through the chat template")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+# ------------------------------------------------------------------------------------ backends
+
+
+class ServerBackend:
+    """SGLang `/generate` with a chat-rendered prompt; meta_info carries the speculative counters."""
+
+    def __init__(self, base_url: str, tokenizer, concurrency: int = 64, retries: int = 3, timeout: float = 600):
+        self.url, self.tok = base_url.rstrip("/"), tokenizer
+        self.concurrency, self.retries, self.timeout = concurrency, retries, timeout
+
+    def _post(self, payload: dict) -> dict:
+        last = None
+        for attempt in range(self.retries + 1):
+            try:
+                req = urllib.request.Request(self.url + "/generate", data=json.dumps(payload).encode(),
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                    return json.loads(r.read())
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+                last = e
+                if attempt < self.retries:
+                    time.sleep(min(2 ** attempt, 8))
+        raise ConnectionError(f"cannot reach {self.url}/generate after {self.retries + 1} attempts ({last}); "
+                              "is the server running and the URL right?")
+
+    def run(self, prompts: list[str], max_new_tokens: int, temperature: float, desc: str) -> list[dict]:
+        sp = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+
+        def one(p):
+            r = self._post({"text": p, "sampling_params": sp})
+            m = r.get("meta_info", {})
+            return {"text": r.get("text", ""), "completion_tokens": m.get("completion_tokens", 0),
+                    "spec": spec_from_meta(m)}
+
+        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
+            return list(tqdm(pool.map(one, prompts), total=len(prompts), desc=desc, unit="q"))
+
+
+def spec_from_meta(meta: dict) -> dict | None:
+    """Per-request speculative counters from SGLang's meta_info (None when the server has no
+    speculation). SGLang's `spec_correct_drafts_histogram[j]` = verify steps with j accepted drafts."""
+    if "spec_verify_ct" not in meta:
+        return None
+    hist = meta.get("spec_correct_drafts_histogram") or meta.get("spec_accept_histogram")
+    if hist is None:
+        accepted = meta.get("spec_accepted_drafts", meta.get("spec_num_correct_drafts"))
+        return {"verify_steps": meta["spec_verify_ct"], "accepted_drafts": accepted, "histogram_counts": None}
+    return {"verify_steps": meta["spec_verify_ct"], "accepted_drafts": sum(j * c for j, c in enumerate(hist)),
+            "histogram_counts": list(hist)}
+
+
+class ReferenceBackend:
+    """The core's reference decoder: one request at a time, exact acceptance counters."""
+
+    def __init__(self, decoder, tokenizer, speculative: bool):
+        self.dec, self.tok, self.speculative = decoder, tokenizer, speculative
+
+    def run(self, prompts: list[str], max_new_tokens: int, temperature: float, desc: str) -> list[dict]:
+        from sglang_ext.core.verify import SamplingParams
+
+        out = []
+        for p in tqdm(prompts, desc=desc, unit="q"):
+            ids = self.tok(p, add_special_tokens=False).input_ids
+            g = self.dec.generate(ids, max_new_tokens, SamplingParams(temperature=temperature),
+                                  eos_token_ids=[self.tok.eos_token_id], speculative=self.speculative)
+            spec = None
+            if g.stats is not None:
+                spec = {"verify_steps": g.stats.verify_steps, "accepted_drafts": g.stats.accepted_drafts,
+                        "histogram_counts": list(g.stats.histogram_counts)}
+            out.append({"text": self.tok.decode(g.tokens, skip_special_tokens=True),
+                        "completion_tokens": len(g.tokens), "spec": spec})
+        return out
+
+
+# ------------------------------------------------------------------------------------- scoring
+
+
+def accuracy(flags: list[bool]) -> dict:
+    n = len(flags)
+    p = sum(flags) / n if n else 0.0
+    return {"accuracy": p, "stderr": math.sqrt(p * (1 - p) / n) if n else 0.0, "correct": sum(flags), "n": n}
+
+
+def mcnemar(a: list[bool], b: list[bool]) -> dict:
+    """Exact (binomial) McNemar test on paired correctness: b01 = a right / b wrong, b10 = reverse."""
+    b01 = sum(x and not y for x, y in zip(a, b))
+    b10 = sum(y and not x for x, y in zip(a, b))
+    n = b01 + b10
+    k = min(b01, b10)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+    return {"only_first_correct": b01, "only_second_correct": b10, "p_value": p}
+
+
+def acceptance(results: list[dict], depth: int | None) -> dict | None:
+    specs = [r["spec"] for r in results if r["spec"] is not None]
+    if not specs:
+        return None
+    if all(s["histogram_counts"] is not None for s in specs):
+        d = depth if depth is not None else max(len(s["histogram_counts"]) for s in specs) - 1
+        stats = AcceptanceStats(d)
+        for s in specs:
+            h = (s["histogram_counts"] + [0] * (d + 1))[: d + 1]
+            stats = stats.merge(AcceptanceStats(d, h))
+        return stats.to_dict()
+    steps = sum(s["verify_steps"] for s in specs)
+    acc = sum(s["accepted_drafts"] or 0 for s in specs)
+    return {"verify_steps": steps, "accepted_drafts": acc, "accepted_drafts_per_step": acc / steps if steps else 0.0,
+            "tokens_per_step": (acc + steps) / steps if steps else 0.0}
+
+
+def score(rows, results, wall_s: float, depth, want_spec: bool) -> dict:
+    strict = [extract_strict(r["text"]) == reference_answer(q["answer"]) for q, r in zip(rows, results)]
+    flexible = [extract_flexible(r["text"]) == reference_answer(q["answer"]) for q, r in zip(rows, results)]
+    tokens = sum(r["completion_tokens"] for r in results)
+    out = {"strict": accuracy(strict), "flexible": accuracy(flexible), "output_tokens": tokens,
+           "wall_seconds": wall_s, "output_tokens_per_s": tokens / wall_s if wall_s else 0.0,
+           "acceptance": acceptance(results, depth), "_strict_flags": strict}
+    if want_spec and out["acceptance"] is None:
+        out["acceptance_note"] = "the backend reported no speculative decoding (no spec counters in meta_info)"
+    return out
+
+
+# ---------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m eval.gsm8k", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", help="SGLang server (default: the in-process reference decoder)")
+    ap.add_argument("--compare-base-url", help="with --compare: the server without speculation")
+    ap.add_argument("--compare", action="store_true", help="also run without speculation and compare")
+    ap.add_argument("--tokenizer", help="tokenizer for the chat template (default: the target)")
+    ap.add_argument("--target", default="smollm2", help="reference backend target")
+    ap.add_argument("--draft", default="out/draft", help="reference backend Eagle3 head directory")
+    ap.add_argument("--num-steps", type=int, default=3)
+    ap.add_argument("--topk", type=int, default=1)
+    ap.add_argument("--num-draft-tokens", type=int)
+    ap.add_argument("--data-path", help="GSM8K test JSONL (default: ../shared/data/gsm8k/test.jsonl, else datasets)")
+    ap.add_argument("--fewshot-path", help="JSONL the exemplars come from (default: the train split)")
+    ap.add_argument("--num-shots", type=int, default=5)
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default="out/eval-gsm8k")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from sglang_ext.core.targets import load_tokenizer
+
+    rows, bad = load_gsm8k(args.data_path, "test", args.limit)
+    shots, _ = load_gsm8k(args.fewshot_path, "train", args.num_shots) if args.num_shots else ([], 0)
+    tok_name = args.tokenizer or (None if args.base_url else args.target)
+    if tok_name is None:
+        tok_name = server_model_path(args.base_url)
+    tok = load_tokenizer(tok_name)
+    prompts = [render_prompt(tok, fewshot_messages(shots, r["question"])) for r in rows]
+    arms = []
+    if args.base_url:
+        arms.append(("spec", ServerBackend(args.base_url, tok, args.concurrency)))
+        if args.compare:
+            if not args.compare_base_url:
+                print("--compare with --base-url needs --compare-base-url (the server without speculation)",
+                      file=sys.stderr)
+                return 2
+            arms.append(("no-spec", ServerBackend(args.compare_base_url, tok, args.concurrency)))
+    else:
+        import torch
+
+        from sglang_ext.core.decoder import ReferenceDecoder
+        from sglang_ext.core.heads import Eagle3Head
+        from sglang_ext.core.targets import load_target
+
+        target = load_target(args.target, device=args.device)
+        if not os.path.exists(os.path.join(args.draft, "config.json")):
+            print(f"--draft {args.draft}: no exported head there; run `make train-draft` first", file=sys.stderr)
+            return 2
+        head = Eagle3Head.from_pretrained(args.draft, target.get_input_embeddings().weight).to(args.device)
+        dec = ReferenceDecoder(target, head, args.num_steps, args.topk, args.num_draft_tokens)
+        arms.append(("spec", ReferenceBackend(dec, tok, True)))
+        if args.compare:
+            arms.append(("no-spec", ReferenceBackend(dec, tok, False)))
+        torch.set_grad_enabled(False)
+    report = {"config": {k: v for k, v in vars(args).items()}, "questions": len(rows), "malformed_lines": bad,
+              "num_shots": len(shots), "chat_template": True, "arms": {}}
+    flags = {}
+    for name, backend in arms:
+        t = time.time()
+        results = backend.run(prompts, args.max_new_tokens, args.temperature, f"gsm8k [{name}]")
+        s = score(rows, results, time.time() - t, args.num_steps if not args.base_url else None, name == "spec")
+        flags[name] = s.pop("_strict_flags")
+        report["arms"][name] = s
+        report.setdefault("samples", {})[name] = [{"question": q["question"][:200], "output": r["text"][:400]}
+                                                  for q, r in list(zip(rows, results))[:3]]
+    if "no-spec" in report["arms"]:
+        a, b = report["arms"]["spec"], report["arms"]["no-spec"]
+        report["compare"] = {"mcnemar_strict": mcnemar(flags["spec"], flags["no-spec"]),
+                             "accuracy_delta_strict": a["strict"]["accuracy"] - b["strict"]["accuracy"],
+                             "speedup_output_tokens_per_s": (a["output_tokens_per_s"] / b["output_tokens_per_s"]
+                                                             if b["output_tokens_per_s"] else None)}
+    paths = write_reports(report, args.out)
+    print_summary(report)
+    print(f"reports: {', '.join(paths)}")
+    return 0
+
+
+def server_model_path(base_url: str) -> str:
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/get_model_info", timeout=30) as r:
+            return json.loads(r.read())["model_path"]
+    except Exception as e:
+        raise ConnectionError(f"cannot ask {base_url} for its model ({e}); pass --tokenizer") from None
+
+
+def print_summary(report: dict) -> None:
+    for name, a in report["arms"].items():
+        acc = a["acceptance"]
+        line = (f"[{name}] strict {a['strict']['accuracy']:.3f} +- {a['strict']['stderr']:.3f}, flexible "
+                f"{a['flexible']['accuracy']:.3f}; {a['output_tokens_per_s']:.1f} output tokens/s")
+        if acc:
+            line += f"; accepted drafts per step {acc['accepted_drafts_per_step']:.3f}"
+            if "per_position_acceptance" in acc:
+                line += f" (per position {[round(x, 3) for x in acc['per_position_acceptance']]})"
+        elif a.get("acceptance_note"):
+            line += f"; {a['acceptance_note']}"
+        print(line)
+    if "compare" in report:
+        c = report["compare"]
+        print(f"[compare] McNemar p={c['mcnemar_strict']['p_value']:.3g} (only spec right "
+              f"{c['mcnemar_strict']['only_first_correct']}, only no-spec right "
+              f"{c['mcnemar_strict']['only_second_correct']}); speedup {c['speedup_output_tokens_per_s']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""GSM8K evaluation: answer extraction, chat rendering, McNemar, reports, bad input, and an
+end-to-end run of the reference backend on a tiny model."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import GSM8K_TEST
+from eval import gsm8k as G
+
+
+@pytest.mark.parametrize("text,strict,flexible", [
+    ("so she makes 9 * 2 = $18 every day.\n#### 18", "18", "18"),
+    ("#### 1,234", "1234", "1234"),
+    ("The answer is #### $1,000.50", "1000.5", "1000.5"),
+    ("It drops by 5 degrees, so #### -5", "-5", "-5"),
+    ("#### 18.00", "18", "18"),
+    ("Total: 3.5 hours, then 7 more. The answer is 10.", None, "10"),
+    ("I don't know.", None, None),
+    ("He pays $45.", None, "45"),
+])
+def test_answer_extraction(text, strict, flexible):
+    assert G.extract_strict(text) == strict
+    assert G.extract_flexible(text) == flexible
+
+
+def test_fewshot_chat_rendering_for_chatml():
+    from sglang_ext.core import tiny
+
+    tok = tiny.train_tokenizer(300)
+    shots = [{"question": "1+1?", "answer": "1+1=2\n#### 2"}, {"question": "2+3?", "answer": "#### 5"}]
+    text = G.render_prompt(tok, G.fewshot_messages(shots, "4+4?"))
+    assert text == ("<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n1+1=2\n#### 2<|im_end|>\n"
+                    "<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n#### 5<|im_end|>\n"
+                    "<|im_start|>user\n4+4?<|im_end|>\n<|im_start|>assistant\n")
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="chat_template"):
+        G.render_prompt(tok, [{"role": "user", "content": "x"}])
+
+
+def test_mcnemar_known_table():
+    # 10 pairs only the first arm got right, 2 only the second: exact two-sided p = 0.0386
+    a = [True] * 10 + [False] * 2 + [True] * 5
+    b = [False] * 10 + [True] * 2 + [True] * 5
+    r = G.mcnemar(a, b)
+    assert (r["only_first_correct"], r["only_second_correct"]) == (10, 2)
+    assert r["p_value"] == pytest.approx(0.03857, abs=1e-4)
+    assert G.mcnemar([True, False], [True, False])["p_value"] == 1.0
+
+
+def test_accuracy_stderr():
+    r = G.accuracy([True, False, True, True])
+    assert r["accuracy"] == 0.75 and r["stderr"] == pytest.approx((0.75 * 0.25 / 4) ** 0.5)
+
+
+def test_server_meta_without_speculation_is_reported_not_zero():
+    results = [{"text": "#### 3", "completion_tokens": 5, "spec": G.spec_from_meta({"completion_tokens": 5})}]
+    s = G.score([{"question": "q", "answer": "#### 3"}], results, 1.0, None, want_spec=True)
+    assert s["acceptance"] is None and "no speculative" in s["acceptance_note"]
+    spec = G.spec_from_meta({"spec_verify_ct": 4, "spec_correct_drafts_histogram": [1, 1, 0, 2]})
+    assert spec == {"verify_steps": 4, "accepted_drafts": 7, "histogram_counts": [1, 1, 0, 2]}
+    acc = G.acceptance([{"spec": spec}], None)
+    assert acc["accepted_drafts_per_step"] == 1.75 and acc["per_position_acceptance"] == [0.75, 0.5, 0.5]
+
+
+def test_unreachable_server_gives_a_clear_error():
+    backend = G.ServerBackend("http://127.0.0.1:9", tokenizer=None, retries=1)
+    with pytest.raises(ConnectionError, match="cannot reach http://127.0.0.1:9/generate after 2 attempts"):
+        backend._post({"text": "x"})
+
+
+def test_malformed_data_lines_are_skipped_and_counted(tmp_path):
+    p = tmp_path / "g.jsonl"
+    p.write_text('{"question": "a?", "answer": "#### 1"}\nnot json\n{"question": 3}\n\n'
+                 '{"question": "b?", "answer": "#### 2"}\n')
+    rows, bad = G.load_gsm8k(str(p), "test", None)
+    assert [r["question"] for r in rows] == ["a?", "b?"] and bad == 2
+
+
+def test_reference_backend_end_to_end_on_a_tiny_model(tmp_path):
+    from sglang_ext.core import tiny
+
+    cfg = tiny.llama_config(num_layers=2, vocab=300)
+    t = tiny.build_target(cfg)
+    tok = tiny.train_tokenizer(300)
+    tiny.save_target(t, tok, str(tmp_path / "target"), dtype=torch.float32)
+    tiny.random_head(tiny.head_config_for(cfg, "mha", [0, 1]), t).save_pretrained(str(tmp_path / "draft"))
+    out = tmp_path / "report"
+    rc = G.main(["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--data-path", GSM8K_TEST,
+                 "--fewshot-path", GSM8K_TEST, "--limit", "5", "--num-shots", "1", "--max-new-tokens", "12",
+                 "--compare", "--out", str(out)])
+    assert rc == 0
+    assert sorted(os.listdir(out)) == ["acceptance.png", "report.json", "report.md"]
+    r = json.load(open(out / "report.json"))
+    assert r["questions"] == 5 and set(r["arms"]) == {"spec", "no-spec"}
+    spec, plain = r["arms"]["spec"], r["arms"]["no-spec"]
+    assert spec["acceptance"]["verify_steps"] > 0 and plain["acceptance"] is None
+    # greedy speculation is lossless: the same answers, so McNemar sees no discordant pair
+    assert r["compare"]["mcnemar_strict"]["only_first_correct"] == r["compare"]["mcnemar_strict"]["only_second_correct"] == 0
+    assert [s["output"] for s in r["samples"]["spec"]] == [s["output"] for s in r["samples"]["no-spec"]]
+    assert "accepted drafts / step" in (out / "report.md").read_text()

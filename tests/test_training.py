@@ -1,0 +1,216 @@
+"""The trainer's pieces: data normalisation, chat loss masks (ChatML, DeepSeek-V3, Kimi templates),
+in-process regeneration (turn by turn, resumable), feature shards, exact resume, export."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from sglang_ext.core import tiny
+from sglang_ext.core.heads import Eagle3Head, head_config_for
+from training import data as D
+from training.chat import ChatTemplateError, render
+from training.features import FeatureExtractor, read_shards, write_shards
+from training.regenerate import GenerationOptions, LocalRegenerator, load_done
+from training.trainer import TrainConfig, draft_vocabulary, init_head_from_target, train
+
+DEEPSEEK = ("<｜begin▁of▁sentence｜>{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+            "{% elif m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}{% elif m['role'] == 'assistant' %}"
+            "{{ '<｜Assistant｜>' + m['content'] + '<｜end▁of▁sentence｜>' }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}")
+KIMI = ("{% for m in messages %}{% if m['role'] == 'user' %}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
+        "{% elif m['role'] == 'assistant' %}<|im_assistant|>assistant<|im_middle|>{{ m['content'] }}<|im_end|>"
+        "{% else %}<|im_system|>system<|im_middle|>{{ m['content'] }}<|im_end|>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}")
+CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"},
+        {"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "Two plus two?"},
+        {"role": "assistant", "content": "<think>easy</think>Four"}]
+
+
+def tokenizer(template: str | None):
+    tok = tiny.train_tokenizer(400)
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>",
+        "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"]})
+    if template is not None:
+        tok.chat_template = template
+    return tok
+
+
+def masked_runs(tok, r):
+    runs, cur = [], []
+    for i, m in zip(r.input_ids, r.loss_mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    if cur:
+        runs.append(tok.decode(cur))
+    return runs
+
+
+@pytest.mark.parametrize("template,end", [(None, "<|im_end|>"), (DEEPSEEK, "<｜end▁of▁sentence｜>"),
+                                          (KIMI, "<|im_end|>")])
+def test_loss_mask_covers_exactly_the_assistant_tokens(template, end):
+    tok = tokenizer(template)  # None: the tiny tokenizer's ChatML template
+    r = render(tok, CONV, reasoning="drop")
+    assert masked_runs(tok, r) == ["Hello there" + end, "Four" + end]
+    r = render(tok, CONV, reasoning="keep")
+    assert masked_runs(tok, r) == ["Hello there" + end, "<think>easy</think>Four" + end]
+
+
+def test_tokenizer_without_chat_template_is_refused():
+    tok = tokenizer(None)
+    tok.chat_template = None
+    with pytest.raises(ChatTemplateError, match="no chat_template"):
+        render(tok, CONV)
+
+
+def test_data_normalisation_counts_malformed_rows(tmp_path):
+    p = tmp_path / "sg.json"
+    good = {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    rows = [good, {"id": "b", "conversations": [{"from": "gpt", "value": "starts wrong"}]},
+            {"id": "c", "conversations": [{"from": "human", "value": "x"}, {"from": "alien", "value": "?"}]},
+            {"id": "d", "conversations": "nope"}, dict(good, id="e")]
+    text = json.dumps(rows)
+    p.write_text(text[: text.rindex("{")])  # a truncated tail, like the packaged ShareGPT file
+    rep = D.LoadReport()
+    convs = D.load_source(f"sharegpt:{p}", rep)
+    assert [c.id for c in convs] == ["a"] and convs[0].messages[1] == {"role": "assistant", "content": "yo"}
+    assert rep.malformed == 4 and rep.reasons["truncated or invalid JSON array tail"] == 1
+    m = tmp_path / "m.jsonl"
+    m.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+                 + "\n{broken\n")
+    rep = D.LoadReport()
+    assert len(D.load_source(f"messages:{m}", rep)) == 1 and rep.malformed == 1
+    with pytest.raises(ValueError, match="kind"):
+        D.load_source("csv:x")
+
+
+def test_packaged_sharegpt_reads_offline():
+    rep = D.LoadReport()
+    convs = D.load_source("sharegpt:pkg:20", rep)
+    assert len(convs) == 20 and all(c.messages[-1]["role"] in ("assistant", "user") for c in convs)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    cfg = tiny.llama_config(num_layers=3, vocab=400, hidden=64)
+    return tiny.build_target(cfg), tokenizer(None)
+
+
+def test_regenerate_turn_by_turn_and_resume(tiny_pair, tmp_path):
+    target, tok = tiny_pair
+    convs = [D.Conversation("x", [m for m in CONV if m["role"] != "system"]),
+             D.Conversation("y", [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "old"}])]
+    out = tmp_path / "regen.jsonl"
+    regen = LocalRegenerator(target, tok, GenerationOptions(max_new_tokens=6), batch_size=2)
+    first = regen.run(convs[1:], str(out))  # an interrupted run wrote "y" only
+    assert set(load_done(str(out))) == {"y"}
+    done = regen.run(convs, str(out))  # resumes: only "x" is generated now
+    assert [c.id for c in done] == ["x", "y"] and done[1].messages == first[0].messages
+    x = done[0].messages
+    assert [m["role"] for m in x] == ["user", "assistant", "user", "assistant"]
+    assert x[1]["content"] != "Hello there" and x[0] == convs[0].messages[0]
+    # turn 2 was generated after turn 1's regenerated answer: the target's own continuation
+    from training.chat import prompt_ids
+    expected = regen._generate([prompt_ids(tok, x[:3])])[0]
+    assert x[3]["content"] == expected
+    assert sum(1 for _ in open(out)) == 2
+
+
+def _records(tiny_pair, n=6):
+    target, tok = tiny_pair
+    convs = [D.Conversation(str(i), [{"role": "user", "content": f"number {i} please"},
+                                     {"role": "assistant", "content": f"the answer is {i * 7} apples and {i} more"}])
+             for i in range(n)]
+    return FeatureExtractor(target, tok, [0, 1, 2], dtype=torch.float32), convs
+
+
+def test_feature_shards_round_trip_and_resume(tiny_pair, tmp_path):
+    ext, convs = _records(tiny_pair)
+    d = str(tmp_path / "f")
+    write_shards(ext, convs[:4], d, shard_size=2)
+    m = write_shards(ext, convs, d, shard_size=2)  # resumes: shards 0, 1 kept, shard 2 added
+    assert [s["file"] for s in m["shards"]] == ["shard-00000.safetensors", "shard-00001.safetensors",
+                                                "shard-00002.safetensors"]
+    recs = read_shards(d)
+    again = [ext(c) for c in convs]
+    assert len(recs) == 6
+    for a, b in zip(recs, again):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        assert torch.equal(a.aux, b.aux) and torch.equal(a.last_hidden, b.last_hidden)
+        assert a.aux.shape[1] == 3 * 64 and a.loss_mask.sum() > 0
+
+
+def _head(tiny_pair, records):
+    target, _ = tiny_pair
+    hot = draft_vocabulary(records, 64, 400)
+    head = Eagle3Head(head_config_for(target.config, "mha", [0, 1, 2], draft_vocab_size=64))
+    head.set_vocab_mapping(hot)
+    init_head_from_target(head, target)
+    return head
+
+
+def test_resume_gives_the_same_weights(tiny_pair, tmp_path):
+    ext, convs = _records(tiny_pair)
+    recs = [ext(c) for c in convs]
+    target, _ = tiny_pair
+    lm = target.get_output_embeddings().weight.detach()
+    cfg = TrainConfig(ttt_steps=3, lr=1e-2, max_steps=6, grad_accum=2, seed=1)
+    torch.manual_seed(0)
+    full = _head(tiny_pair, recs)
+    train(full, recs, lm, cfg, checkpoint_dir=str(tmp_path / "a"), log=lambda *_: None)
+    torch.manual_seed(0)
+    part = _head(tiny_pair, recs)
+    train(part, recs, lm, cfg, checkpoint_dir=str(tmp_path / "b"), stop_after=3, log=lambda *_: None)
+    resumed = _head(tiny_pair, recs)  # a fresh process: state comes from the checkpoint only
+    train(resumed, recs, lm, cfg, checkpoint_dir=str(tmp_path / "b"), log=lambda *_: None)
+    for (n, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), n
+    assert not any(torch.equal(a, b) for (n, a), (_, b) in zip(full.state_dict().items(),
+                                                               _head(tiny_pair, recs).state_dict().items())
+                   if n == "fc.weight")
+
+
+def test_training_lowers_loss_and_export_loads_back(tiny_pair, tmp_path):
+    ext, convs = _records(tiny_pair, n=4)
+    recs = [ext(c) for c in convs]
+    target, _ = tiny_pair
+    lm = target.get_output_embeddings().weight.detach()
+    head = _head(tiny_pair, recs)
+    first = train(head, recs, lm, TrainConfig(ttt_steps=2, lr=5e-3, max_steps=1), log=lambda *_: None)
+    last = train(head, recs, lm, TrainConfig(ttt_steps=2, lr=5e-3, max_steps=40, grad_accum=4),
+                 log=lambda *_: None)
+    assert last["loss"] < first["loss"]
+    head.save_pretrained(str(tmp_path / "out"))
+    cfg = json.load(open(tmp_path / "out" / "config.json"))
+    assert cfg["eagle_config"]["aux_layer_convention"] == "output"
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2] and cfg["torch_dtype"] == "bfloat16"
+    back = Eagle3Head.from_pretrained(str(tmp_path / "out"), target.get_input_embeddings().weight)
+    assert torch.equal(back.draft_to_target(torch.arange(64)), head.draft_to_target(torch.arange(64)))
+    assert torch.allclose(back.fc.weight, head.fc.weight.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("fmt", ["mha", "mla"])
+def test_trained_heads_keep_greedy_speculation_exact(tiny_pair, fmt):
+    """A trained head (not just a random one) in both formats: chain and tree stay lossless."""
+    from sglang_ext.core.decoder import ReferenceDecoder
+
+    target, tok = tiny_pair
+    ext, convs = _records(tiny_pair, n=6)
+    recs = [ext(c) for c in convs]
+    head = Eagle3Head(head_config_for(target.config, fmt, [0, 1, 2]))
+    init_head_from_target(head, target)
+    train(head, recs, target.get_output_embeddings().weight.detach(),
+          TrainConfig(ttt_steps=3, lr=5e-3, max_steps=30, grad_accum=2), log=lambda *_: None)
+    prompt = recs[0].input_ids[:12].tolist()
+    plain = ReferenceDecoder(target, None).generate(prompt, 24, speculative=False).tokens
+    for topk, ndt in [(1, None), (4, 8)]:
+        dec = ReferenceDecoder(target, head, num_steps=3, topk=topk, num_draft_tokens=ndt)
+        g = dec.generate(prompt, 24)
+        dec.close()
+        assert g.tokens == plain
+        assert len(g.tokens) == sum(a + 1 for a in g.accepted_per_step) + 1

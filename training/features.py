@@ -1,0 +1,119 @@
+"""Target features for draft training, per conversation: token ids, loss mask, the aux hidden states
+at the convention's layers and the target's final (normed) hidden state, from which the target's
+logits over the draft vocabulary are recomputed with its lm_head (storing full-vocab logits would
+cost vocab/hidden times more).
+
+Offline: sharded safetensors under a directory with `manifest.json`; an interrupted capture resumes
+at the first missing shard. Online: the same records computed in memory as training asks for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from sglang_ext.core.capture import AuxCapture
+from training.chat import render
+from training.data import Conversation
+
+MANIFEST = "manifest.json"
+
+
+@dataclasses.dataclass
+class Features:
+    input_ids: torch.Tensor  # [T] long
+    loss_mask: torch.Tensor  # [T] uint8
+    aux: torch.Tensor  # [T, num_aux * hidden]
+    last_hidden: torch.Tensor  # [T, hidden], after the target's final norm
+
+
+class FeatureExtractor:
+    def __init__(self, target, tokenizer, aux_output_ids, max_tokens: int = 2048, reasoning: str = "drop",
+                 dtype=torch.bfloat16):
+        self.target, self.tok = target.eval(), tokenizer
+        self.aux_output_ids = list(aux_output_ids)
+        self.max_tokens, self.reasoning, self.dtype = max_tokens, reasoning, dtype
+        self.capture = AuxCapture(target, aux_output_ids)
+        self.device = next(target.parameters()).device
+
+    @torch.no_grad()
+    def __call__(self, conv: Conversation) -> Features | None:
+        r = render(self.tok, conv.messages, self.reasoning, self.max_tokens)
+        if sum(r.loss_mask) == 0 or len(r.input_ids) < 4:
+            return None
+        ids = torch.tensor([r.input_ids], device=self.device)
+        out = self.target.model(input_ids=ids) if hasattr(self.target, "model") else None
+        last = out.last_hidden_state[0] if out is not None else self.target(ids, output_hidden_states=True).hidden_states[-1][0]
+        return Features(torch.tensor(r.input_ids), torch.tensor(r.loss_mask, dtype=torch.uint8),
+                        self.capture.concat()[0].to(self.dtype).cpu(), last.to(self.dtype).cpu())
+
+    def close(self):
+        self.capture.remove()
+
+
+def _pack(records: list[Features]) -> dict[str, torch.Tensor]:
+    lengths = torch.tensor([len(r.input_ids) for r in records])
+    return {"lengths": lengths, "input_ids": torch.cat([r.input_ids for r in records]),
+            "loss_mask": torch.cat([r.loss_mask for r in records]), "aux": torch.cat([r.aux for r in records]),
+            "last_hidden": torch.cat([r.last_hidden for r in records])}
+
+
+def _unpack(t: dict[str, torch.Tensor]) -> list[Features]:
+    out, start = [], 0
+    for n in t["lengths"].tolist():
+        sl = slice(start, start + n)
+        out.append(Features(t["input_ids"][sl], t["loss_mask"][sl], t["aux"][sl], t["last_hidden"][sl]))
+        start += n
+    return out
+
+
+def write_shards(extractor: FeatureExtractor, convs: list[Conversation], out_dir: str, shard_size: int = 64,
+                 meta: dict | None = None) -> dict:
+    """Capture features for `convs` into out_dir/shard-NNNNN.safetensors (+ manifest); resumable."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, MANIFEST)
+    manifest = json.load(open(path)) if os.path.exists(path) else {"shards": [], "skipped": 0, **(meta or {})}
+    chunks = [convs[i: i + shard_size] for i in range(0, len(convs), shard_size)]
+    with tqdm(total=len(convs), desc="capture target features", unit="conv") as bar:
+        for k, chunk in enumerate(chunks):
+            name = f"shard-{k:05d}.safetensors"
+            if any(s["file"] == name for s in manifest["shards"]):  # already captured
+                bar.update(len(chunk))
+                continue
+            records = []
+            for conv in chunk:
+                f = extractor(conv)
+                if f is None:
+                    manifest["skipped"] += 1
+                else:
+                    records.append(f)
+                bar.update(1)
+            if records:
+                save_file(_pack(records), os.path.join(out_dir, name))
+                manifest["shards"].append({"file": name, "records": len(records),
+                                           "tokens": int(sum(len(r.input_ids) for r in records))})
+            with open(path + ".tmp", "w") as fh:
+                json.dump(manifest, fh, indent=1)
+            os.replace(path + ".tmp", path)  # the manifest only ever names complete shards
+    return manifest
+
+
+def read_shards(out_dir: str) -> list[Features]:
+    manifest = json.load(open(os.path.join(out_dir, MANIFEST)))
+    records = []
+    for s in manifest["shards"]:
+        records += _unpack(load_file(os.path.join(out_dir, s["file"])))
+    return records
+
+
+def online(extractor: FeatureExtractor, convs: list[Conversation]) -> Iterator[Features]:
+    for conv in convs:
+        f = extractor(conv)
+        if f is not None:
+            yield f

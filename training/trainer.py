@@ -1,0 +1,239 @@
+"""Training an Eagle3 head (MHA or MLA format) on target features with the training-time-test unroll.
+
+For a sequence x_0..x_{T-1} with target aux states A_t and target next-token logits L_t:
+  step 0: the head at position t reads (A_t, x_{t+1}) and predicts x_{t+2} (target: L_{t+1});
+  step k: it reads its own step-(k-1) hidden state and x_{t+k+1} at position t+k, attending to the
+          step-0 keys up to t and to its own steps 1..k at t -- exactly what it sees while drafting
+          depth k+1 at inference -- and predicts x_{t+k+2} (target: L_{t+k+1}).
+Loss: soft cross-entropy against the target's distribution over the draft vocabulary, on positions
+whose predicted token is an assistant token, weighted decay^k. AdamW, cosine schedule with warmup,
+gradient clipping and accumulation; checkpoints hold the full state (weights, optimizer, schedule,
+step, RNG) in safetensors and resume exactly; data parallel with torchrun (DDP) when WORLD_SIZE > 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from sglang_ext.core.heads import Eagle3Head
+from sglang_ext.core.layers import KVCache
+from training.features import Features
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    ttt_steps: int = 7
+    decay: float = 0.8
+    lr: float = 1e-3
+    warmup_ratio: float = 0.05
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    grad_accum: int = 1
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; None: epochs
+    max_tokens: int = 2048
+    seed: int = 0
+    checkpoint_every: int = 0  # optimizer steps; 0: only at the end
+    bf16: bool = False  # autocast on CUDA
+
+
+def draft_vocabulary(records: list[Features], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent assistant tokens (target ids, sorted): the draft's lm_head rows."""
+    counts = Counter()
+    for r in records:
+        counts.update(r.input_ids[r.loss_mask.bool()].tolist())
+    ids = [t for t, _ in counts.most_common(size)]
+    if len(ids) < size:  # pad with the lowest unused ids so the size is what the config says
+        used = set(ids)
+        ids += [t for t in range(vocab_size) if t not in used][: size - len(ids)]
+    return torch.tensor(sorted(ids))
+
+
+def init_head_from_target(head: Eagle3Head, target) -> None:
+    """Embedding (frozen), lm_head rows of the draft vocabulary and the final norm from the target."""
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        rows = head.target_logits_index()
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[rows])
+        norm = getattr(getattr(target, "model", None), "norm", None)
+        if norm is not None and norm.weight.shape == head.norm.weight.shape:
+            head.norm.weight.copy_(norm.weight)
+    head.embed_tokens.weight.requires_grad_(False)
+
+
+def ttt_loss(head: Eagle3Head, f: Features, lm_rows: torch.Tensor, steps: int, decay: float, device,
+             autocast: bool = False) -> tuple[torch.Tensor, list[float], list[int]]:
+    """(loss, per-step accuracy sums, per-step counts) for one sequence."""
+    T = len(f.input_ids)
+    L = T - 1  # lanes t = 0..T-2
+    ids = f.input_ids.to(device)
+    mask = f.loss_mask.to(device).bool()
+    aux = f.aux.to(device).float()
+    with torch.no_grad():  # the target's distribution over the draft vocabulary at every position
+        tgt = F.softmax(f.last_hidden.to(device).float() @ lm_rows.T, dim=-1)  # [T, Vd]
+    cache = KVCache()
+    hidden = aux[:L]
+    total, acc, cnt = 0.0, [], []
+    pos = torch.arange(L, device=device)
+    causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(L, dtype=torch.bool, device=device)
+    for k in range(steps):
+        tok_idx = pos + k + 1  # the token fed at lane t: x_{t+k+1}
+        pred_idx = pos + k + 2  # the token predicted: x_{t+k+2}
+        valid = pred_idx <= T - 1
+        if not valid.any():
+            break
+        tok = ids[tok_idx.clamp(max=T - 1)]
+        attn_mask = torch.cat([causal] + [eye] * k, dim=1)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+            out = head(tok[None], hidden[None], (pos + k)[None], cache, attn_mask)
+        logits = out.logits[0].float()
+        sel = valid & mask[pred_idx.clamp(max=T - 1)]
+        target_p = tgt[(pred_idx - 1).clamp(max=T - 1)]
+        if sel.any():
+            loss_k = -(target_p[sel] * F.log_softmax(logits[sel], dim=-1)).sum(-1).mean()
+            total = total + (decay ** k) * loss_k
+            acc.append(float((logits[sel].argmax(-1) == target_p[sel].argmax(-1)).sum()))
+            cnt.append(int(sel.sum()))
+        else:
+            acc.append(0.0)
+            cnt.append(0)
+        hidden = out.hidden[0]
+    if not torch.is_tensor(total):
+        total = torch.zeros((), device=device, requires_grad=True)
+    return total, acc, cnt
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    warm = max(1, int(cfg.warmup_ratio * total))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ------------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(path: str, head: Eagle3Head, opt: torch.optim.Optimizer, step: int, extra: dict) -> None:
+    """Full training state in safetensors + JSON (never pickled)."""
+    os.makedirs(path, exist_ok=True)
+    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+    names = {id(p): n for n, p in head.named_parameters()}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p, {})
+            for key, val in st.items():
+                tensors[f"optim.{names[id(p)]}.{key}"] = (val if torch.is_tensor(val) else torch.tensor(val)).cpu()
+    tensors["rng.cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    save_file(tensors, os.path.join(path, "state.safetensors"))
+    with open(os.path.join(path, "trainer.json"), "w") as f:
+        json.dump({"step": step, **extra}, f, indent=1)
+
+
+def load_checkpoint(path: str, head: Eagle3Head, opt: torch.optim.Optimizer) -> dict:
+    t = load_file(os.path.join(path, "state.safetensors"))
+    head.load_state_dict({k[len("model."):]: v for k, v in t.items() if k.startswith("model.")})
+    params = dict(head.named_parameters())
+    for k, v in t.items():
+        if k.startswith("optim."):
+            name, key = k[len("optim."):].rsplit(".", 1)
+            opt.state[params[name]][key] = v.to(params[name].device) if key != "step" else v
+    torch.set_rng_state(t["rng.cpu"])
+    if "rng.cuda" in t and torch.cuda.is_available():
+        torch.cuda.set_rng_state(t["rng.cuda"])
+    return json.load(open(os.path.join(path, "trainer.json")))
+
+
+# ---------------------------------------------------------------------------------- training
+
+
+def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tensor, cfg: TrainConfig,
+          checkpoint_dir: str | None = None, resume: bool = True, stop_after: int | None = None,
+          log=print) -> dict:
+    """Train in place. `stop_after` ends early after that many optimizer steps (as an interruption
+    would, after writing a checkpoint). Returns the final metrics."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    device = next(head.parameters()).device
+    model = head
+    if world > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        model = torch.nn.parallel.DistributedDataParallel(head, device_ids=[device.index] if device.type == "cuda" else None)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    lm_rows = target_lm_head.to(device).float()[head.target_logits_index()]
+    per_epoch = math.ceil(len(records) / (cfg.grad_accum * world))
+    total = cfg.max_steps or per_epoch * cfg.epochs
+    step = 0
+    if checkpoint_dir and resume and os.path.exists(os.path.join(checkpoint_dir, "trainer.json")):
+        step = load_checkpoint(checkpoint_dir, head, opt)["step"]
+        log(f"resumed from {checkpoint_dir} at optimizer step {step}")
+    metrics = {}
+    bar = tqdm(total=total, initial=step, desc="train draft", unit="step", disable=rank != 0)
+    while step < total:
+        epoch, within = divmod(step, per_epoch)
+        order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+        order = order[rank::world]
+        start = within * cfg.grad_accum
+        batch = order[start: start + cfg.grad_accum]
+        if not batch:
+            step += 1
+            continue
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, cfg)
+        opt.zero_grad(set_to_none=True)
+        acc_sum, cnt_sum, loss_sum = [0.0] * cfg.ttt_steps, [0] * cfg.ttt_steps, 0.0
+        for i in batch:
+            f = records[i]
+            if len(f.input_ids) > cfg.max_tokens:
+                f = Features(f.input_ids[: cfg.max_tokens], f.loss_mask[: cfg.max_tokens], f.aux[: cfg.max_tokens],
+                             f.last_hidden[: cfg.max_tokens])
+            loss, acc, cnt = ttt_loss(model if world == 1 else model.module, f, lm_rows, cfg.ttt_steps, cfg.decay,
+                                      device, cfg.bf16 and device.type == "cuda")
+            (loss / len(batch)).backward()
+            loss_sum += float(loss.detach())
+            for k in range(len(acc)):
+                acc_sum[k] += acc[k]
+                cnt_sum[k] += cnt[k]
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        bar.update(1)
+        metrics = {"step": step, "loss": loss_sum / len(batch), "lr": opt.param_groups[0]["lr"],
+                   "accuracy_per_step": [a / c if c else 0.0 for a, c in zip(acc_sum, cnt_sum)]}
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['accuracy_per_step'][0]:.2f}")
+        if checkpoint_dir and rank == 0 and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+                                             or step == total or step == stop_after):
+            save_checkpoint(checkpoint_dir, head, opt, step, {"total_steps": total})
+        if stop_after is not None and step >= stop_after:
+            break
+    bar.close()
+    return metrics
+
+
+@torch.no_grad()
+def evaluate(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tensor, steps: int) -> list[float]:
+    """Per-TTT-step top-1 accuracy (draft argmax == target argmax over the draft vocabulary)."""
+    device = next(head.parameters()).device
+    lm_rows = target_lm_head.to(device).float()[head.target_logits_index()]
+    acc, cnt = [0.0] * steps, [0] * steps
+    for f in records:
+        _, a, c = ttt_loss(head, f, lm_rows, steps, 1.0, device)
+        for k in range(len(a)):
+            acc[k] += a[k]
+            cnt[k] += c[k]
+    return [a / c if c else 0.0 for a, c in zip(acc, cnt)]
