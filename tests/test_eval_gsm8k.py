@@ -101,3 +101,17 @@ def test_reference_backend_end_to_end_on_a_tiny_model(tmp_path):
     assert r["compare"]["mcnemar_strict"]["only_first_correct"] == r["compare"]["mcnemar_strict"]["only_second_correct"] == 0
     assert [s["output"] for s in r["samples"]["spec"]] == [s["output"] for s in r["samples"]["no-spec"]]
     assert "accepted drafts / step" in (out / "report.md").read_text()
+
+
+def test_bench_stream_parsing_and_summary():
+    from eval import bench
+
+    lines = [b"data: " + json.dumps({"text": "a", "meta_info": {"completion_tokens": 1}}).encode() + b"\n", b"\n",
+             b"data: " + json.dumps({"text": "ab", "meta_info": {"completion_tokens": 2, "spec_verify_ct": 1,
+                                                                  "spec_correct_drafts_histogram": [0, 1]}}).encode(),
+             b"data: [DONE]", b"data: {\"never\": 1}"]
+    evs = list(bench.sse_events(lines))
+    assert [e["text"] for e in evs] == ["a", "ab"]
+    s = bench.summarize([{"ttft": 0.1, "tpot": 0.01, "completion_tokens": 10, "latency": 0.2,
+                          "spec": {"verify_steps": 4, "accepted_drafts": 6, "histogram_counts": None}}], 2.0)
+    assert s["output_tokens_per_s"] == 5.0 and s["accepted_drafts_per_step"] == 1.5

@@ -1,0 +1,163 @@
+"""`make bench` / `python -m eval.bench`: a serving benchmark against SGLang servers, spec vs no spec.
+
+Prompts come from ShareGPT (offline package) or GSM8K and are rendered through the target's chat
+template (raw prompts only with `--raw-prompts`, which the report flags). For each concurrency of
+the sweep it streams `/generate` requests with fixed (or sampled) output lengths and measures TTFT,
+TPOT, output tokens/s and, from each request's meta_info, accepted drafts per step (no bonus).
+Writes report.json, report.md and throughput.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import urllib.request
+
+from tqdm import tqdm
+
+from eval.gsm8k import load_gsm8k, spec_from_meta
+
+
+def sse_events(lines):
+    """Decoded JSON payloads of an SGLang `/generate` stream (`data: {...}` lines, `data: [DONE]`)."""
+    for raw in lines:
+        line = raw.decode() if isinstance(raw, bytes) else raw
+        line = line.strip()
+        if not line.startswith("data:"):
+            continue
+        body = line[len("data:"):].strip()
+        if body == "[DONE]":
+            return
+        yield json.loads(body)
+
+
+def one_request(url: str, text: str, max_new_tokens: int, timeout: float = 600) -> dict:
+    payload = {"text": text, "stream": True, "sampling_params": {"max_new_tokens": max_new_tokens,
+                                                                 "temperature": 0, "ignore_eos": True}}
+    req = urllib.request.Request(url.rstrip("/") + "/generate", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first, last_meta, arrivals = None, {}, []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for ev in sse_events(r):
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            arrivals.append(now)
+            last_meta = ev.get("meta_info", last_meta)
+    end = time.perf_counter()
+    n = int(last_meta.get("completion_tokens", 0))
+    return {"ttft": (first or end) - t0, "latency": end - t0, "completion_tokens": n,
+            "tpot": (end - (first or end)) / (n - 1) if n > 1 else 0.0, "spec": spec_from_meta(last_meta)}
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    tokens = sum(r["completion_tokens"] for r in results)
+    specs = [r["spec"] for r in results if r["spec"]]
+    steps = sum(s["verify_steps"] for s in specs)
+    acc = sum(s["accepted_drafts"] or 0 for s in specs)
+    return {"requests": len(results), "output_tokens": tokens, "wall_s": wall,
+            "output_tokens_per_s": tokens / wall if wall else 0.0,
+            "ttft_mean_s": statistics.mean(r["ttft"] for r in results) if results else 0.0,
+            "ttft_p99_s": sorted(r["ttft"] for r in results)[int(0.99 * (len(results) - 1))] if results else 0.0,
+            "tpot_mean_s": statistics.mean(r["tpot"] for r in results) if results else 0.0,
+            "accepted_drafts_per_step": acc / steps if steps else None}
+
+
+def load_prompts(source: str, n: int, tokenizer, raw: bool, seed: int) -> list[str]:
+    if source == "gsm8k":
+        rows, _ = load_gsm8k(None, "test", n)
+        messages = [[{"role": "user", "content": r["question"]}] for r in rows]
+    else:
+        from training.data import LoadReport, load_source
+
+        convs = load_source(f"sharegpt:pkg:{n * 2}", LoadReport())
+        random.Random(seed).shuffle(convs)
+        messages = [[m for m in c.messages if m["role"] != "assistant"][:1] for c in convs[:n]]
+    if raw:
+        return [m[-1]["content"] for m in messages]
+    return [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+
+
+def run_arm(url: str, prompts: list[str], concurrency: int, lengths: list[int]) -> dict:
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        results = list(tqdm(pool.map(lambda pl: one_request(url, *pl), zip(prompts, lengths)), total=len(prompts),
+                            desc=f"{url} c={concurrency}", unit="req"))
+    return summarize(results, time.perf_counter() - t)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eval.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", required=True, help="server with speculation")
+    ap.add_argument("--nospec-url", help="server without speculation (same target)")
+    ap.add_argument("--tokenizer", required=True, help="the target's tokenizer (chat template)")
+    ap.add_argument("--source", choices=["sharegpt", "gsm8k"], default="sharegpt")
+    ap.add_argument("--raw-prompts", action="store_true", help="skip the chat template (flagged in the report)")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--requests-per-level", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--sample-output-len", action="store_true", help="uniform in [output_len/2, output_len]")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="out/bench")
+    args = ap.parse_args(argv)
+    from sglang_ext.core.targets import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rng = random.Random(args.seed)
+    report = {"config": vars(args), "chat_template": not args.raw_prompts, "levels": {}}
+    if args.raw_prompts:
+        report["warning"] = "raw prompts (no chat template): acceptance is not what chat users would see"
+        print("WARNING: " + report["warning"], file=sys.stderr)
+    for c in levels:
+        n = max(args.requests_per_level, c)
+        prompts = load_prompts(args.source, n, tok, args.raw_prompts, args.seed)
+        lengths = [rng.randint(args.output_len // 2, args.output_len) if args.sample_output_len else args.output_len
+                   for _ in prompts]
+        level = {"spec": run_arm(args.base_url, prompts, c, lengths)}
+        if args.nospec_url:
+            level["no-spec"] = run_arm(args.nospec_url, prompts, c, lengths)
+            level["speedup"] = (level["spec"]["output_tokens_per_s"] / level["no-spec"]["output_tokens_per_s"]
+                                if level["no-spec"]["output_tokens_per_s"] else None)
+        report["levels"][c] = level
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    rows = ["| concurrency | arm | output tok/s | TTFT mean (s) | TPOT mean (ms) | accepted drafts / step |",
+            "|---|---|---|---|---|---|"]
+    for c, level in report["levels"].items():
+        for arm in ("spec", "no-spec"):
+            if arm in level:
+                s = level[arm]
+                acc = "—" if s["accepted_drafts_per_step"] is None else f"{s['accepted_drafts_per_step']:.3f}"
+                rows.append(f"| {c} | {arm} | {s['output_tokens_per_s']:.1f} | {s['ttft_mean_s']:.3f} | "
+                            f"{1000 * s['tpot_mean_s']:.2f} | {acc} |")
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write("# Serving benchmark\n\n" + (f"**{report['warning']}**\n\n" if "warning" in report else "")
+                + "\n".join(rows) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm in ("spec", "no-spec"):
+        xs = [c for c in report["levels"] if arm in report["levels"][c]]
+        ax.plot(xs, [report["levels"][c][arm]["output_tokens_per_s"] for c in xs], marker="o", label=arm)
+    ax.set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="throughput vs concurrency")
+    ax.legend()
+    fig.savefig(os.path.join(args.out, "throughput.png"), dpi=100)
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
