@@ -208,3 +208,11 @@ def test_yarn_rope_matches_transformers_deepseek_v3():
     assert ours.cos_sin_scale == pytest.approx(theirs.attention_scaling)
     attn = DeepseekV3Attention(cfg, layer_idx=0)
     assert (96 ** -0.5) * ours.softmax_scale_factor == pytest.approx(attn.scaling)
+
+
+def test_undeclared_convention_survives_a_load_save_round_trip(targets, tmp_path):
+    # a SpecForge-style export without a declared convention must not be re-stamped as 'output'
+    d = tiny.head_config_for(targets["ds"].config, "mha", [2, 3, 4]).to_dict()
+    del d["eagle_config"]["aux_layer_convention"]
+    again = HeadConfig.from_dict(d).to_dict()
+    assert again["eagle_config"] == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [2, 3, 4]}

@@ -26,13 +26,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from sglang_ext.conventions import (
-    CONVENTION_FIELD,
-    LAYER_IDS_FIELD,
-    MHA_ARCHITECTURES,
-    MLA_ARCHITECTURES,
-    ConfigError,
-)
+from sglang_ext.conventions import CONVENTION_FIELD, LAYER_IDS_FIELD, ConfigError, parse_draft
 from sglang_ext.core.layers import MLP, KVCache, RMSNorm, RotaryEmbedding, attention, rope_parameters
 
 MHA_ARCH = "LlamaForCausalLMEagle3"
@@ -83,22 +77,15 @@ class HeadConfig:
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> "HeadConfig":
-        arch = (cfg.get("architectures") or [None])[0]
-        if arch in MHA_ARCHITECTURES:
-            fmt = "mha"
-        elif arch in MLA_ARCHITECTURES:
-            fmt = "mla"
-        else:
-            raise ConfigError("architectures", cfg.get("architectures"), "not an Eagle3 head",
-                              f"use {MHA_ARCH!r} or {MLA_ARCH!r}")
+        spec = parse_draft(cfg)  # the one schema reader: format, aux ids, declared convention
+        fmt, ids = spec.head_format, spec.aux_layer_ids
         eagle = cfg.get("eagle_config") or {}
-        ids = eagle.get(LAYER_IDS_FIELD)
         num_aux = cfg.get("num_aux_hidden_states") or (len(ids) if ids else 3)
         theta, scaling = rope_parameters(cfg)
         fields = {f.name for f in dataclasses.fields(cls)}
         known = {k: cfg[k] for k in fields if k in cfg and k not in ("head_format", "extra")}
         known.update(head_format=fmt, num_aux=num_aux, aux_layer_ids=list(ids) if ids else None,
-                     aux_layer_convention=eagle.get(CONVENTION_FIELD), rope_theta=theta, rope_scaling=scaling,
+                     aux_layer_convention=spec.aux_layer_convention, rope_theta=theta, rope_scaling=scaling,
                      fc_norm=bool(cfg.get("fc_norm") or cfg.get("use_aux_norm", False)),
                      norm_before_fc=bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))),
                      target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"])
@@ -136,7 +123,9 @@ class HeadConfig:
             for k, v in dict(first_k_dense_replace=1, moe_layer_freq=1, num_nextn_predict_layers=0,
                              moe_intermediate_size=self.intermediate_size).items():
                 d.setdefault(k, v)
-        eagle = {"use_aux_hidden_state": True, CONVENTION_FIELD: self.aux_layer_convention or "output"}
+        eagle = {"use_aux_hidden_state": True}
+        if self.aux_layer_convention:  # a loaded undeclared config stays undeclared (read upstream's way)
+            eagle[CONVENTION_FIELD] = self.aux_layer_convention
         if self.aux_layer_ids is not None:
             eagle[LAYER_IDS_FIELD] = list(self.aux_layer_ids)
         if self.norm_before_fc:
