@@ -299,11 +299,14 @@ def main(argv=None) -> int:
         torch.set_grad_enabled(False)
     report = {"config": {k: v for k, v in vars(args).items()}, "questions": len(rows), "malformed_lines": bad,
               "num_shots": len(shots), "chat_template": True, "arms": {}}
+    # SGLang's per-request histogram stops at the largest count seen: take the depth from the server
+    depth = server_spec_depth(args.base_url) if args.base_url else args.num_steps
+    report["speculative_num_steps"] = depth
     flags = {}
     for name, backend in arms:
         t = time.time()
         results = backend.run(prompts, args.max_new_tokens, args.temperature, f"gsm8k [{name}]")
-        s = score(rows, results, time.time() - t, args.num_steps if not args.base_url else None, name == "spec")
+        s = score(rows, results, time.time() - t, depth, name == "spec")
         flags[name] = s.pop("_strict_flags")
         report["arms"][name] = s
         report.setdefault("samples", {})[name] = [{"question": q["question"][:200], "output": r["text"][:400]}
@@ -326,6 +329,17 @@ def server_model_path(base_url: str) -> str:
             return json.loads(r.read())["model_path"]
     except Exception as e:
         raise ConnectionError(f"cannot ask {base_url} for its model ({e}); pass --tokenizer") from None
+
+
+def server_spec_depth(base_url: str) -> int | None:
+    """speculative_num_steps of a running SGLang server (None without speculation or if unknown)."""
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/get_server_info", timeout=30) as r:
+            info = json.loads(r.read())
+    except Exception:
+        return None
+    steps = info.get("speculative_num_steps") or (info.get("server_args") or {}).get("speculative_num_steps")
+    return int(steps) if steps else None
 
 
 def print_summary(report: dict) -> None:

@@ -115,3 +115,10 @@ def test_bench_stream_parsing_and_summary():
     s = bench.summarize([{"ttft": 0.1, "tpot": 0.01, "completion_tokens": 10, "latency": 0.2,
                           "spec": {"verify_steps": 4, "accepted_drafts": 6, "histogram_counts": None}}], 2.0)
     assert s["output_tokens_per_s"] == 5.0 and s["accepted_drafts_per_step"] == 1.5
+
+
+def test_truncated_server_histogram_uses_the_server_depth():
+    # SGLang reported [7] for 7 verify steps with no accepted draft at --speculative-num-steps 3
+    spec = G.spec_from_meta({"spec_verify_ct": 7, "spec_correct_drafts_histogram": [7]})
+    acc = G.acceptance([{"spec": spec}], 3)
+    assert acc["per_position_acceptance"] == [0.0, 0.0, 0.0] and acc["histogram_counts"] == [7, 0, 0, 0]

@@ -56,7 +56,7 @@ class DraftTree:
 
     def position_offsets(self) -> torch.Tensor:
         """[n+1]: 0 for the root, the depth for each node."""
-        return torch.cat([torch.zeros(1, dtype=torch.long), self.depths.long()])
+        return torch.cat([torch.zeros(1, dtype=torch.long, device=self.depths.device), self.depths.long()])
 
 
 def tree_attention_mask(tree: DraftTree, prefix_len: int) -> torch.Tensor:
