@@ -146,7 +146,7 @@ class ServerBackend:
                     "spec": spec_from_meta(m)}
 
         with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
-            return list(tqdm(pool.map(one, prompts), total=len(prompts), desc=desc, unit="q"))
+            return list(tqdm(pool.map(one, prompts), total=len(prompts), desc=desc, unit="q", mininterval=5))
 
 
 def spec_from_meta(meta: dict) -> dict | None:
@@ -172,7 +172,7 @@ class ReferenceBackend:
         from sglang_ext.core.verify import SamplingParams
 
         out = []
-        for p in tqdm(prompts, desc=desc, unit="q"):
+        for p in tqdm(prompts, desc=desc, unit="q", mininterval=5):
             ids = self.tok(p, add_special_tokens=False).input_ids
             g = self.dec.generate(ids, max_new_tokens, SamplingParams(temperature=temperature),
                                   eos_token_ids=[self.tok.eos_token_id], speculative=self.speculative)

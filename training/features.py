@@ -80,7 +80,7 @@ def write_shards(extractor: FeatureExtractor, convs: list[Conversation], out_dir
     path = os.path.join(out_dir, MANIFEST)
     manifest = json.load(open(path)) if os.path.exists(path) else {"shards": [], "skipped": 0, **(meta or {})}
     chunks = [convs[i: i + shard_size] for i in range(0, len(convs), shard_size)]
-    with tqdm(total=len(convs), desc="capture target features", unit="conv") as bar:
+    with tqdm(total=len(convs), desc="capture target features", unit="conv", mininterval=5) as bar:
         for k, chunk in enumerate(chunks):
             name = f"shard-{k:05d}.safetensors"
             if any(s["file"] == name for s in manifest["shards"]):  # already captured

@@ -76,7 +76,7 @@ class LocalRegenerator:
         work = {c.id: [m for m in c.messages] for c in todo}
         n_turns = max((sum(m["role"] == "assistant" for m in c.messages) for c in todo), default=0)
         bar = tqdm(total=sum(sum(m["role"] == "assistant" for m in c.messages) for c in todo),
-                   desc="regenerate (in-process)", unit="turn")
+                   desc="regenerate (in-process)", unit="turn", mininterval=5)
         for turn in range(n_turns):  # wave by wave: turn i of every conversation that has one
             jobs = []
             for cid, msgs in work.items():
@@ -133,7 +133,7 @@ class ServerRegenerator:
         done = load_done(out_path)
         todo = [c for c in convs if c.id not in done]
         with open(out_path, "a") as f, concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool, \
-                tqdm(total=len(todo), desc="regenerate (server)", unit="conv") as bar:
+                tqdm(total=len(todo), desc="regenerate (server)", unit="conv", mininterval=5) as bar:
             futures = [pool.submit(self._conversation, c) for c in todo]
             for fut in concurrent.futures.as_completed(futures):
                 conv = fut.result()

@@ -183,7 +183,8 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
         step = load_checkpoint(checkpoint_dir, head, opt)["step"]
         log(f"resumed from {checkpoint_dir} at optimizer step {step}")
     metrics = {}
-    bar = tqdm(total=total, initial=step, desc="train draft", unit="step", disable=rank != 0)
+    bar = tqdm(total=total, initial=step, desc="train draft", unit="step", disable=rank != 0,
+               mininterval=5)
     while step < total:
         epoch, within = divmod(step, per_epoch)
         order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
