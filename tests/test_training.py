@@ -214,3 +214,23 @@ def test_trained_heads_keep_greedy_speculation_exact(tiny_pair, fmt):
         dec.close()
         assert g.tokens == plain
         assert len(g.tokens) == sum(a + 1 for a in g.accepted_per_step) + 1
+
+
+def test_resume_refuses_a_checkpoint_of_another_config(tiny_pair, tmp_path):
+    ext, convs = _records(tiny_pair, n=4)
+    recs = [ext(c) for c in convs]
+    target, _ = tiny_pair
+    lm = target.get_output_embeddings().weight.detach()
+    train(_head(tiny_pair, recs), recs, lm, TrainConfig(ttt_steps=2, max_steps=2), checkpoint_dir=str(tmp_path),
+          log=lambda *_: None)
+    with pytest.raises(ValueError, match="another config"):
+        train(_head(tiny_pair, recs), recs, lm, TrainConfig(ttt_steps=3, max_steps=2), checkpoint_dir=str(tmp_path),
+              log=lambda *_: None)
+
+
+def test_example_config_is_accepted_by_the_cli():
+    from training.train_draft import parse_args
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = parse_args(["--config", os.path.join(here, "training", "configs", "gpu-example.yaml")])
+    assert args.draft_format == "mla" and args.ttt_steps == 7 and args.data[0] == "sharegpt:pkg:20000"

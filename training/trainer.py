@@ -179,7 +179,14 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     per_epoch = math.ceil(len(records) / (cfg.grad_accum * world))
     total = cfg.max_steps or per_epoch * cfg.epochs
     step = 0
+    identity = {"train_config": dataclasses.asdict(cfg), "head_config": head.config.to_dict(),
+                "records": len(records), "world_size": world}
     if checkpoint_dir and resume and os.path.exists(os.path.join(checkpoint_dir, "trainer.json")):
+        saved = json.load(open(os.path.join(checkpoint_dir, "trainer.json")))
+        if saved.get("identity") != json.loads(json.dumps(identity)):
+            raise ValueError(f"checkpoint {checkpoint_dir} was written by a run with another config or data "
+                             "(training options, head config, record count or world size differ); resume it with "
+                             "the same options, or use a new work directory")
         step = load_checkpoint(checkpoint_dir, head, opt)["step"]
         log(f"resumed from {checkpoint_dir} at optimizer step {step}")
     metrics = {}
@@ -219,7 +226,7 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['accuracy_per_step'][0]:.2f}")
         if checkpoint_dir and rank == 0 and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
                                              or step == total or step == stop_after):
-            save_checkpoint(checkpoint_dir, head, opt, step, {"total_steps": total})
+            save_checkpoint(checkpoint_dir, head, opt, step, {"total_steps": total, "identity": identity})
         if stop_after is not None and step >= stop_after:
             break
     bar.close()
