@@ -28,6 +28,7 @@ def _head(vocab=64, seed=0):
     return tiny.random_head(tiny.head_config_for(cfg, "mha", [0, 1]), t, seed=seed, std=0.3), t
 
 
+@torch.no_grad()
 def _context(head, n=6):
     cache = KVCache()
     ids = torch.arange(1, n + 1)[None]
