@@ -281,8 +281,6 @@ def main(argv=None) -> int:
                 return 2
             arms.append(("no-spec", ServerBackend(args.compare_base_url, tok, args.concurrency)))
     else:
-        import torch
-
         from sglang_ext.core.decoder import ReferenceDecoder
         from sglang_ext.core.heads import Eagle3Head
         from sglang_ext.core.targets import load_target
@@ -296,7 +294,6 @@ def main(argv=None) -> int:
         arms.append(("spec", ReferenceBackend(dec, tok, True)))
         if args.compare:
             arms.append(("no-spec", ReferenceBackend(dec, tok, False)))
-        torch.set_grad_enabled(False)
     report = {"config": {k: v for k, v in vars(args).items()}, "questions": len(rows), "malformed_lines": bad,
               "num_shots": len(shots), "chat_template": True, "arms": {}}
     # SGLang's per-request histogram stops at the largest count seen: take the depth from the server

@@ -159,6 +159,7 @@ def load_checkpoint(path: str, head: Eagle3Head, opt: torch.optim.Optimizer) -> 
 # ---------------------------------------------------------------------------------- training
 
 
+@torch.enable_grad()  # whatever grad mode the caller is in
 def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tensor, cfg: TrainConfig,
           checkpoint_dir: str | None = None, resume: bool = True, stop_after: int | None = None,
           log=print) -> dict:
