@@ -51,7 +51,7 @@ def parse_args(argv=None):
     ap.add_argument("--work", default="out/work", help="regenerated data, features, checkpoints")
     ap.add_argument("--regen-server", help="OpenAI-compatible base URL (SGLang); default in-process")
     ap.add_argument("--regen-concurrency", type=int, default=32)
-    ap.add_argument("--regen-batch", type=int, default=16, help="in-process generation batch")
+    ap.add_argument("--regen-batch", type=int, default=32, help="in-process generation batch")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=384,
                     help="skip conversations whose first prompt is longer (regeneration cost)")
