@@ -20,12 +20,11 @@ import os
 import re
 import sys
 import time
-import urllib.error
-import urllib.request
 
 from tqdm import tqdm
 
 from sglang_ext.core.accounting import AcceptanceStats
+from sglang_ext.http_client import get_json, post_json
 from eval.report import write_reports
 
 SHARED = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
@@ -122,19 +121,7 @@ class ServerBackend:
         self.concurrency, self.retries, self.timeout = concurrency, retries, timeout
 
     def _post(self, payload: dict) -> dict:
-        last = None
-        for attempt in range(self.retries + 1):
-            try:
-                req = urllib.request.Request(self.url + "/generate", data=json.dumps(payload).encode(),
-                                             headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    return json.loads(r.read())
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-                last = e
-                if attempt < self.retries:
-                    time.sleep(min(2 ** attempt, 8))
-        raise ConnectionError(f"cannot reach {self.url}/generate after {self.retries + 1} attempts ({last}); "
-                              "is the server running and the URL right?")
+        return post_json(self.url + "/generate", payload, self.retries, self.timeout)
 
     def run(self, prompts: list[str], max_new_tokens: int, temperature: float, desc: str) -> list[dict]:
         sp = {"max_new_tokens": max_new_tokens, "temperature": temperature}
@@ -322,8 +309,7 @@ def main(argv=None) -> int:
 
 def server_model_path(base_url: str) -> str:
     try:
-        with urllib.request.urlopen(base_url.rstrip("/") + "/get_model_info", timeout=30) as r:
-            return json.loads(r.read())["model_path"]
+        return get_json(base_url.rstrip("/") + "/get_model_info")["model_path"]
     except Exception as e:
         raise ConnectionError(f"cannot ask {base_url} for its model ({e}); pass --tokenizer") from None
 
@@ -331,8 +317,7 @@ def server_model_path(base_url: str) -> str:
 def server_spec_depth(base_url: str) -> int | None:
     """speculative_num_steps of a running SGLang server (None without speculation or if unknown)."""
     try:
-        with urllib.request.urlopen(base_url.rstrip("/") + "/get_server_info", timeout=30) as r:
-            info = json.loads(r.read())
+        info = get_json(base_url.rstrip("/") + "/get_server_info")
     except Exception:
         return None
     steps = info.get("speculative_num_steps") or (info.get("server_args") or {}).get("speculative_num_steps")

@@ -15,13 +15,11 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-import time
-import urllib.error
-import urllib.request
 
 import torch
 from tqdm import tqdm
 
+from sglang_ext.http_client import post_json
 from training.chat import prompt_ids
 from training.data import Conversation
 
@@ -107,18 +105,10 @@ class ServerRegenerator:
         self.concurrency, self.retries, self.timeout = concurrency, retries, timeout
 
     def _complete(self, messages: list[dict]) -> str:
-        body = json.dumps({"model": self.model, "messages": messages, "max_tokens": self.opt.max_new_tokens,
-                           "temperature": self.opt.temperature, "top_p": self.opt.top_p}).encode()
-        last = None
-        for attempt in range(self.retries + 1):
-            try:
-                req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    return json.loads(r.read())["choices"][0]["message"]["content"] or ""
-            except (urllib.error.URLError, TimeoutError, ConnectionError, KeyError, json.JSONDecodeError) as e:
-                last = e
-                time.sleep(min(2 ** attempt, 10))
-        raise ConnectionError(f"{self.url}: no answer after {self.retries + 1} attempts ({last})")
+        r = post_json(self.url, {"model": self.model, "messages": messages, "max_tokens": self.opt.max_new_tokens,
+                                 "temperature": self.opt.temperature, "top_p": self.opt.top_p},
+                      self.retries, self.timeout)
+        return r["choices"][0]["message"]["content"] or ""
 
     def _conversation(self, conv: Conversation) -> Conversation:
         msgs = []
