@@ -193,7 +193,7 @@ def parse_override(text: str, field: str = OVERRIDE_ENV) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 MHA_ARCHITECTURES = frozenset({"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"})
-MLA_ARCHITECTURES = frozenset({"Eagle3DeepseekV2ForCausalLM"})
+MLA_ARCHITECTURES = frozenset({"Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM"})
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from sglang_ext import checkpoint
+from sglang_ext import checkpoint, draft_schema
 from sglang_ext.conventions import (
     ENGINES,
     OVERRIDE_ENV,
@@ -29,8 +29,9 @@ ENGINE_LABELS = {"sglang-ext": "sglang_ext (ours)", "sglang": "upstream SGLang 0
                  "vllm": "vLLM / ATOM", "trtllm": "TRT-LLM"}
 
 
-def inspect(draft_path: str, target_path: str, override: str | None = None) -> dict:
-    """Everything inspect-draft reports, as a JSON-able dict; `errors` empty means accepted."""
+def inspect(draft_path: str, target_path: str, override: str | None = None, pools: dict | None = None) -> dict:
+    """Everything inspect-draft reports, as a JSON-able dict; `errors` empty means accepted.
+    `pools`: {gpu_memory_gib, mem_fraction_static, tp_size, kv_cache_dtype, draft_kv_cache_dtype}."""
     report: dict = {"draft": draft_path, "target": target_path, "errors": [], "notes": []}
 
     def fail(e: ConfigError):
@@ -66,6 +67,17 @@ def inspect(draft_path: str, target_path: str, override: str | None = None) -> d
     plan, errors = aux_layer_errors(target, draft, override, fc_in)
     for e in errors:
         fail(e)
+    for e in draft_schema.pair_errors(target, draft, shapes):
+        fail(e)
+    try:
+        report["kv_pools"] = kv_pool_report(target, draft, shapes, **(pools or {}))
+        for e in draft_schema.kv_dtype_errors(draft, report["kv_pools"]["draft_kv_cache_dtype"],
+                                              report["kv_pools"]["kv_cache_dtype"]):
+            fail(e)
+    except ConfigError as e:
+        fail(e)
+    except (KeyError, TypeError, ValueError) as e:  # a config too sparse for the arithmetic
+        report["notes"].append(f"KV pool report skipped: config field {e} missing or not a number")
     engines = {}
     for engine in ENGINES:
         try:
@@ -81,6 +93,38 @@ def inspect(draft_path: str, target_path: str, override: str | None = None) -> d
         report["plan"] = {"output_ids": list(plan.output_ids), "source": plan.source,
                           "convention": plan.convention, "sglang_layers_to_capture": plan.capture_indices}
     return report
+
+
+def kv_pool_report(target, draft, shapes, gpu_memory_gib: float = 141.0, mem_fraction_static: float = 0.85,
+                   tp_size: int = 1, kv_cache_dtype: str = "bf16", draft_kv_cache_dtype: str | None = None) -> dict:
+    """Bytes per token of each pool (per TP rank) and the split of the KV budget, ours vs upstream's."""
+    kv = draft_schema.canonical_kv_dtype(kv_cache_dtype, "--kv-cache-dtype") or "bf16"
+    dkv = draft_schema.canonical_kv_dtype(draft_kv_cache_dtype, "--draft-kv-cache-dtype") or kv
+    t_bytes = draft_schema.target_kv_bytes_per_token(target, kv, tp_size)
+    d_bytes = draft_schema.draft_kv_bytes_per_token(draft, dkv, tp_size)
+    upstream_d = draft_schema.upstream_draft_bytes_per_token(target, kv, tp_size)
+    target_weights = draft_schema.estimate_weight_bytes(target.text_config, 2, tp_size)
+    draft_weights = sum(_numel(m["shape"]) * _DTYPE_BYTES.get(m["dtype"], 2) for m in shapes.values())
+    budget = int(gpu_memory_gib * 2 ** 30 * mem_fraction_static) - target_weights - draft_weights // tp_size
+    ours = draft_schema.PoolSplit(max(budget, 0), t_bytes, d_bytes)
+    upstream_tokens = draft_schema.PoolSplit(max(budget, 0), t_bytes, upstream_d).tokens
+    overshoot = upstream_tokens * (d_bytes - upstream_d)
+    return {"head_format": draft.head_format, "tp_size": tp_size, "kv_cache_dtype": kv, "draft_kv_cache_dtype": dkv,
+            "target_bytes_per_token": t_bytes, "draft_bytes_per_token": d_bytes,
+            "upstream_draft_bytes_per_token": upstream_d, "gpu_memory_gib": gpu_memory_gib,
+            "mem_fraction_static": mem_fraction_static, "target_weights_gib_estimate": target_weights / 2 ** 30,
+            "draft_weights_gib": draft_weights / 2 ** 30, "split": ours.to_dict(),
+            "upstream_tokens": upstream_tokens, "upstream_overshoot_gib": overshoot / 2 ** 30}
+
+
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "I32": 4, "BOOL": 1, "F8_E4M3": 1, "U8": 1, "I8": 1}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n
 
 
 def render(report: dict) -> str:
@@ -104,6 +148,20 @@ def render(report: dict) -> str:
         p = report["plan"]
         lines.append(f"sglang_ext will capture outputs of {p['output_ids']} (from {p['source']}; "
                      f"SGLang layers_to_capture {p['sglang_layers_to_capture']})")
+    if "kv_pools" in report:
+        k, sp = report["kv_pools"], report["kv_pools"]["split"]
+        lines.append(f"KV pools per rank (TP {k['tp_size']}, {k['gpu_memory_gib']:g} GiB GPU, --mem-fraction-static "
+                     f"{k['mem_fraction_static']:g}; target weights ~{k['target_weights_gib_estimate']:.1f} GiB "
+                     f"estimated from the config):")
+        lines.append(f"  target {k['target_bytes_per_token']} B/token ({k['kv_cache_dtype']}); draft "
+                     f"{k['draft_bytes_per_token']} B/token ({k['head_format'].upper()} head, "
+                     f"{k['draft_kv_cache_dtype']}); upstream SGLang budgets the draft at "
+                     f"{k['upstream_draft_bytes_per_token']} B/token")
+        lines.append(f"  split: {sp['tokens']} tokens; target {sp['target_gib']:.2f} GiB, draft {sp['draft_gib']:.2f} "
+                     f"GiB of {sp['budget_gib']:.2f} GiB")
+        if k["upstream_overshoot_gib"] > 0:
+            lines.append(f"  upstream sizing ({k['upstream_tokens']} tokens) would overrun the budget by "
+                         f"{k['upstream_overshoot_gib']:.2f} GiB")
     lines += [f"note: {n}" for n in report["notes"]]
     if report["errors"]:
         lines.append(f"REFUSED ({len(report['errors'])} error(s)):")
@@ -120,9 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", required=True, help="target directory or its config.json")
     ap.add_argument("--override", default=os.environ.get(OVERRIDE_ENV),
                     help=f"output ids as the operator would set {OVERRIDE_ENV} (default: that variable)")
+    ap.add_argument("--gpu-memory-gib", type=float, default=141.0, help="GPU memory for the pool split (H200: 141)")
+    ap.add_argument("--mem-fraction-static", type=float, default=0.85)
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--kv-cache-dtype", default="bf16", help="the target's (SGLang --kv-cache-dtype)")
+    ap.add_argument("--draft-kv-cache-dtype", default=os.environ.get(draft_schema.DRAFT_KV_DTYPE_ENV),
+                    help=f"as the operator would set {draft_schema.DRAFT_KV_DTYPE_ENV} (default: that variable)")
     ap.add_argument("--json", action="store_true", help="print a JSON report")
     args = ap.parse_args(argv)
-    report = inspect(args.draft, args.target, args.override)
+    pools = dict(gpu_memory_gib=args.gpu_memory_gib, mem_fraction_static=args.mem_fraction_static,
+                 tp_size=args.tp_size, kv_cache_dtype=args.kv_cache_dtype,
+                 draft_kv_cache_dtype=args.draft_kv_cache_dtype)
+    report = inspect(args.draft, args.target, args.override, pools)
     print(json.dumps(report, indent=1) if args.json else render(report))
     return 1 if report["errors"] else 0
 

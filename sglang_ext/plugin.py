@@ -3,7 +3,7 @@
 SGLang's ``load_plugins()`` runs ``register()`` in every process that builds or serves a model
 (launch_server, Engine, each scheduler subprocess), then applies the hooks registered here with
 ``HookRegistry.apply_hooks()``. Set ``SGLANG_PLUGINS`` to a list that omits ``sglang_eagle3_mla``
-to run upstream SGLang unchanged.
+to run upstream SGLang unchanged. Each adapter module names the upstream symbols it extends.
 """
 
 from __future__ import annotations
@@ -16,9 +16,17 @@ logger = logging.getLogger(__name__)
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_ext.serving import aux_capture
+    from sglang_ext.serving import acceptance, adaptive, aux_capture, kv_pools, registry
 
     for target, family in aux_capture.HOOK_TARGETS.items():
         HookRegistry.register(target, aux_capture.make_hook(family), HookType.AROUND)
-    logger.info("[sglang_ext] plugin registered: Eagle3 aux-layer capture for %s",
-                ", ".join(t.rsplit(".", 2)[-2] for t in aux_capture.HOOK_TARGETS))
+    for hooks, kind in ((registry.HOOKS, HookType.AROUND), (kv_pools.HOOKS, HookType.AROUND),
+                        (kv_pools.AFTER_HOOKS, HookType.AFTER), (acceptance.AROUND_HOOKS, HookType.AROUND),
+                        (acceptance.AFTER_HOOKS, HookType.AFTER), (adaptive.AROUND_HOOKS, HookType.AROUND),
+                        (adaptive.BEFORE_HOOKS, HookType.BEFORE), (adaptive.AFTER_HOOKS, HookType.AFTER)):
+        for target, fn in hooks.items():
+            HookRegistry.register(target, fn, kind)
+    acceptance.install_log_filter()
+    logger.info("[sglang_ext] plugin registered: Eagle3 aux-layer capture, MLA head architectures, draft KV "
+                "pool sizing and dtype, acceptance reporting without the bonus token, cost-model adaptive speculation "
+                "(opt-in)")

@@ -45,13 +45,41 @@ def draft_config(arch="LlamaForCausalLMEagle3", hidden=64, vocab=163840, ids=Non
     return cfg
 
 
+def write_head(path, fmt="mha", hidden=64, target_hidden=7168, vocab=163840, n_aux=3, draft_vocab=32,
+               arch=None, ids=None, convention=None, **config_overrides):
+    """A complete Eagle3 head (config.json + safetensors in the serving layout, written by the core),
+    small (hidden 64) whatever the target's size; eagle_config ids/convention as given."""
+    from sglang_ext.core.heads import Eagle3Head, HeadConfig
+
+    mla = dict(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    cfg = HeadConfig(head_format=fmt, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=2,
+                     vocab_size=vocab, target_hidden_size=target_hidden, num_aux=n_aux, draft_vocab_size=draft_vocab,
+                     **(dict(num_key_value_heads=2, head_dim=32) if fmt == "mha" else mla))
+    head = Eagle3Head(cfg)
+    head.save_pretrained(str(path))
+    d = dict(cfg.to_dict(), **config_overrides)
+    if arch:
+        d["architectures"] = [arch]
+    eagle = {"use_aux_hidden_state": True}
+    if ids is not None:
+        eagle["eagle_aux_hidden_state_layer_ids"] = ids
+    if convention is not None:
+        eagle["aux_layer_convention"] = convention
+    d["eagle_config"] = eagle
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(d, f)
+    return str(path)
+
+
 @pytest.fixture
 def make_draft(tmp_path):
-    """make_draft(name, target_hidden, n_aux, **draft_config kwargs) -> dir with config + fc.weight."""
-    def make(name, target_hidden=7168, n_aux=3, **kw):
-        cfg = draft_config(**kw)
-        fc = torch.zeros(cfg["hidden_size"], target_hidden * n_aux, dtype=torch.bfloat16)
-        return write_model_dir(tmp_path / name, cfg, {"fc.weight": fc})
+    """make_draft(name, target_hidden, n_aux, arch=..., ids=..., convention=..., vocab=...) -> a head dir."""
+    from sglang_ext.conventions import MLA_ARCHITECTURES
+
+    def make(name, target_hidden=7168, n_aux=3, arch="LlamaForCausalLMEagle3", vocab=163840, **kw):
+        fmt = "mla" if arch in MLA_ARCHITECTURES else "mha"
+        return write_head(tmp_path / name, fmt, target_hidden=target_hidden, vocab=vocab, n_aux=n_aux, arch=arch,
+                          **kw)
     return make
 
 

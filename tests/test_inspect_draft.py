@@ -10,12 +10,13 @@ from conftest import deepseek_v3_config, kimi_k25_config, write_model_dir
 @pytest.fixture
 def targets(tmp_path):
     tiny = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8, "hidden_size": 64,
-            "vocab_size": 512, "kv_lora_rank": 32}
+            "vocab_size": 512, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "num_attention_heads": 4}
     return {"kimi": write_model_dir(tmp_path / "kimi", kimi_k25_config()),
             "dsv3": write_model_dir(tmp_path / "dsv3", deepseek_v3_config()),
             "tiny": write_model_dir(tmp_path / "tiny", tiny) + "/config.json"}
 
 
+VOCAB = {"kimi": 163840, "dsv3": 129280, "tiny": 512}
 CASES = [
     # target, ids, convention, ours, {engine: layers that differ from ours}
     ("kimi", None, None, [1, 29, 57], {}),  # lightseekorg/kimi-k2.5-eagle3: no eagle ids at all
@@ -32,7 +33,7 @@ CASES = [
 def test_layers_per_engine(targets, make_draft, run_cli, tgt, ids, conv, ours, differ):
     hidden = {"kimi": 7168, "dsv3": 7168, "tiny": 64}[tgt]
     arch = "Eagle3DeepseekV2ForCausalLM" if tgt == "kimi" else "LlamaForCausalLMEagle3"
-    d = make_draft(f"d-{tgt}", target_hidden=hidden, arch=arch, ids=ids, convention=conv)
+    d = make_draft(f"d-{tgt}", target_hidden=hidden, arch=arch, ids=ids, convention=conv, vocab=VOCAB[tgt])
     rc, out = run_cli("inspect-draft", d, "--target", targets[tgt], "--json")
     report = json.loads(out)
     assert rc == 0, out
@@ -65,7 +66,7 @@ BAD = [
 
 @pytest.mark.parametrize("kw,n_aux,field,text", BAD)
 def test_bad_input_exits_nonzero_naming_the_field(targets, make_draft, run_cli, kw, n_aux, field, text):
-    d = make_draft("bad", n_aux=n_aux, **kw)
+    d = make_draft("bad", n_aux=n_aux, vocab=129280, **kw)
     rc, out = run_cli("inspect-draft", d, "--target", targets["dsv3"], "--json")
     assert rc == 1
     errors = json.loads(out)["errors"]
@@ -75,7 +76,7 @@ def test_bad_input_exits_nonzero_naming_the_field(targets, make_draft, run_cli, 
 
 
 def test_override_is_shown_and_checked(targets, make_draft, run_cli):
-    d = make_draft("o", ids=[1, 29, 57], convention="output")
+    d = make_draft("o", ids=[1, 29, 57], convention="output", vocab=129280)
     rc, out = run_cli("inspect-draft", d, "--target", targets["dsv3"], "--override", "3,30,60", "--json")
     r = json.loads(out)
     assert rc == 0 and r["plan"] == {"output_ids": [3, 30, 60], "source": "override", "convention": "output",

@@ -57,7 +57,7 @@ PATCHED = """
                                      capture_aux_hidden_states=False)
 
     def call(cls, cfg, ids, draft=None):
-        aux_capture._server_draft_path = lambda: draft
+        aux_capture.server_draft_path = lambda: draft
         m = standin(cfg)
         cls.set_eagle3_layers_to_capture(m, ids)
         return m
@@ -74,7 +74,7 @@ PATCHED = """
     inner = standin(ds)
     kimi = types.SimpleNamespace(language_model=types.SimpleNamespace(
         set_eagle3_layers_to_capture=functools.partial(DeepseekV2ForCausalLM.set_eagle3_layers_to_capture, inner)))
-    aux_capture._server_draft_path = lambda: None
+    aux_capture.server_draft_path = lambda: None
     KimiK25ForConditionalGeneration.set_eagle3_layers_to_capture(kimi, [1, 29, 57])
     out["kimi"] = inner.model.layers_to_capture
     try:
@@ -93,11 +93,13 @@ def _result(p):
 
 @pytest.fixture(scope="module")
 def declared_draft(tmp_path_factory):
-    d = tmp_path_factory.mktemp("draft")
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 32, "vocab_size": 100,
-           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 60], "aux_layer_convention": "output"}}
-    import torch
-    return write_model_dir(d, cfg, {"fc.weight": torch.zeros(32, 192)})
+    from sglang_ext.core.heads import Eagle3Head, HeadConfig
+
+    d = str(tmp_path_factory.mktemp("draft"))
+    cfg = HeadConfig(head_format="mha", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     vocab_size=100, target_hidden_size=64, aux_layer_ids=[1, 29, 60], aux_layer_convention="output")
+    Eagle3Head(cfg).save_pretrained(d)  # a complete head: the server checks names and shapes at startup
+    return d
 
 
 def test_plugin_patches_targets_in_a_fresh_interpreter(declared_draft):

@@ -47,6 +47,9 @@ def parse_args(argv=None):
                     "messages:FILE[:N], gsm8k:FILE[:N], hf:NAME[:N] (default: ShareGPT 160 + GSM8K-train 160)")
     ap.add_argument("--turns", choices=["first", "all"], default="first")
     ap.add_argument("--draft-format", choices=["mha", "mla"], default="mha")
+    ap.add_argument("--head-override", action="append", default=[], metavar="FIELD=JSON",
+                    help="override a head config field derived from the target, e.g. q_lora_rank=null, "
+                         "num_attention_heads=16 (repeatable)")
     ap.add_argument("--out", default="out/draft", help="exported head directory")
     ap.add_argument("--work", default="out/work", help="regenerated data, features, checkpoints")
     ap.add_argument("--regen-server", help="OpenAI-compatible base URL (SGLang); default in-process")
@@ -71,6 +74,8 @@ def parse_args(argv=None):
     ap.add_argument("--grad-accum", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                    help="head compute on CUDA: bf16 autocast (default) or fp32; the CPU always trains in fp32")
     ap.add_argument("--eval-data", help="held-out GSM8K JSONL for the acceptance estimate (default: test split)")
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--eval-steps", type=int, default=3, help="chain depth of the acceptance estimate")
@@ -109,6 +114,26 @@ def acceptance_estimate(target, head, prompts, steps, max_new_tokens, eos) -> di
         stats = g.stats if stats is None else stats.merge(g.stats)
     dec.close()
     return stats.to_dict()
+
+
+def parse_head_overrides(items: list[str]) -> dict:
+    import dataclasses
+
+    from sglang_ext.conventions import ConfigError
+    from sglang_ext.core.heads import HeadConfig
+
+    fields = {f.name for f in dataclasses.fields(HeadConfig)} - {"head_format", "extra", "aux_layer_ids"}
+    out = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in fields:
+            raise ConfigError("--head-override", item, "not FIELD=VALUE with a head config field",
+                              f"use one of {sorted(fields)}, e.g. q_lora_rank=null")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
 
 
 def main(argv=None) -> int:
@@ -176,7 +201,8 @@ def main(argv=None) -> int:
     vocab = text_config_of(target).vocab_size
     dv = min(args.draft_vocab_size, vocab)
     hot = draft_vocabulary(records, dv, vocab)
-    cfg = head_config_for(target.config, args.draft_format, aux_ids, draft_vocab_size=dv if dv < vocab else None)
+    cfg = head_config_for(target.config, args.draft_format, aux_ids, draft_vocab_size=dv if dv < vocab else None,
+                          **parse_head_overrides(args.head_override))
     head = Eagle3Head(cfg)
     if dv < vocab:
         head.set_vocab_mapping(hot)
@@ -185,7 +211,7 @@ def main(argv=None) -> int:
     lm_head = target.get_output_embeddings().weight.detach()
     tcfg = TrainConfig(ttt_steps=args.ttt_steps, lr=args.lr, epochs=args.epochs, max_steps=args.max_steps,
                        grad_accum=args.grad_accum, max_tokens=args.max_tokens, seed=args.seed,
-                       bf16=device.type == "cuda")
+                       bf16=device.type == "cuda" and args.precision == "bf16")
     untrained = None
     eval_path = args.eval_data or default_gsm8k("test")
     prompts = gsm8k_prompts(tok, eval_path, args.eval_prompts)

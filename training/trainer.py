@@ -213,12 +213,19 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
                              f.last_hidden[: cfg.max_tokens])
             loss, acc, cnt = ttt_loss(model if world == 1 else model.module, f, lm_rows, cfg.ttt_steps, cfg.decay,
                                       device, cfg.bf16 and device.type == "cuda")
+            if not torch.isfinite(loss):  # stop before a NaN reaches the weights, the checkpoint or the export
+                raise FloatingPointError(f"non-finite TTT loss ({float(loss)}) at optimizer step {step}, record {i}; "
+                                         f"nothing was saved for this step. Lower --lr (now {cfg.lr}) or train "
+                                         "without bf16 autocast")
             (loss / len(batch)).backward()
             loss_sum += float(loss.detach())
             for k in range(len(acc)):
                 acc_sum[k] += acc[k]
                 cnt_sum[k] += cnt[k]
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError(f"non-finite gradient norm at optimizer step {step}; the weights were not "
+                                     f"updated. Lower --lr (now {cfg.lr}) or train without bf16 autocast")
         opt.step()
         step += 1
         bar.update(1)

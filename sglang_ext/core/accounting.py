@@ -49,6 +49,22 @@ class AcceptanceStats:
             raise ValueError(f"cannot merge depth {other.depth} into depth {self.depth}")
         return AcceptanceStats(self.depth, [x + y for x, y in zip(self.histogram_counts, other.histogram_counts)])
 
+    def resized(self, depth: int) -> "AcceptanceStats":
+        """The same counts under a larger depth (a server whose depth changes per step, e.g.
+        SGLang's --speculative-adaptive, is accounted at the largest depth it ran)."""
+        if depth < self.depth and any(self.histogram_counts[depth + 1:]):
+            raise ValueError(f"cannot shrink depth {self.depth} to {depth}: steps accepted more")
+        counts = (self.histogram_counts + [0] * (depth + 1))[:depth + 1]
+        return AcceptanceStats(depth, counts)
+
+    @classmethod
+    def from_histogram(cls, counts: Iterable[int], depth: int | None = None) -> "AcceptanceStats":
+        """From SGLang's per-request histogram (`spec_correct_drafts_histogram`: [j] = steps with
+        j correct drafts, cut after the largest j seen)."""
+        counts = [int(c) for c in counts]
+        depth = max(depth or 0, len(counts) - 1, 1)
+        return cls(depth, (counts + [0] * (depth + 1))[:depth + 1])
+
     # --------------------------------------------------------------------------------- readouts
     @property
     def verify_steps(self) -> int:
@@ -107,6 +123,23 @@ class AcceptanceStats:
     @classmethod
     def from_dict(cls, d: dict) -> "AcceptanceStats":
         return cls(int(d["depth"]), [int(x) for x in d["histogram_counts"]])
+
+
+def stop_truncation(correct_drafts: int, verify_steps: int, completion_tokens: int, last_step_drafts: int) -> int:
+    """Drafts a finished request's last verify step accepted but did not emit because the request
+    stopped inside the run (EOS, stop string, max_new_tokens). SGLang 0.5.17 counts the whole run
+    per request; our definition counts what was emitted, so that step's a drops by this number.
+    0 when nothing was cut, or when the counts cannot be explained by one cut step (a retracted
+    and re-prefilled request emits tokens outside verify steps)."""
+    cut = correct_drafts + verify_steps - (completion_tokens - 1)
+    return cut if 0 < cut <= last_step_drafts else 0
+
+
+def apply_stop_truncation(histogram_counts: list[int], last_step_drafts: int, cut: int) -> None:
+    """Move the last step from bin `last_step_drafts` to `last_step_drafts - cut` (in place)."""
+    if cut:
+        histogram_counts[last_step_drafts] -= 1
+        histogram_counts[last_step_drafts - cut] += 1
 
 
 def completion_tokens_invariant(stats: AcceptanceStats) -> int:

@@ -327,11 +327,13 @@ class Eagle3Head(nn.Module):
     LAYER_PREFIX = {"mha": "midlayer.", "mla": "layers.0."}
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """Weights under the serving format's names (no embed_tokens: the target's is shared)."""
+        """Weights under the serving format's names. No embed_tokens when the head is as wide as
+        the target (SGLang shares the target's); a narrower or wider head ships its own."""
         prefix = self.LAYER_PREFIX[self.config.head_format]
+        own_embedding = self.config.hidden_size != self.config.target_hidden_size
         out = {}
         for name, t in self.state_dict().items():
-            if name.startswith("embed_tokens."):
+            if name.startswith("embed_tokens.") and not own_embedding:
                 continue
             if name.startswith("layer."):
                 name = prefix + name[len("layer."):]

@@ -165,4 +165,8 @@ def attention(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         mask = causal_mask(q.shape[2], k.shape[2], q.device)
     if mask.dim() == 3:
         mask = mask[:, None]
+    dv = v.shape[-1]
+    if dv != q.shape[-1]:  # MLA: v narrower than q/k; equal widths keep every fused SDPA kernel eligible
+        v = F.pad(v, (0, q.shape[-1] - dv))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :dv]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -33,6 +33,9 @@ from sglang_ext.conventions import (
     to_output_ids,
 )
 
+from sglang_ext.draft_schema import draft_kv_dtype_option, pair_errors
+from sglang_ext.serving.context import draft_dir, server_args, server_draft_path
+
 logger = logging.getLogger(__name__)
 
 DUMP_DIR_ENV = "SGLANG_EXT_AUX_DUMP_DIR"  # debug: write captured aux states of prefill batches
@@ -44,40 +47,22 @@ HOOK_TARGETS = {
 }
 
 
-def _draft_dir(path: str | None) -> str | None:
-    """A local directory for the draft (a path, or a hub id already in the local cache)."""
-    if not path:
-        return None
-    if os.path.isdir(path):
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(path, allow_patterns=["config.json", "*.json"], local_files_only=True)
-    except Exception:  # not cached: SGLang downloads it later; we fall back to the ids it passes
-        return None
-
-
-def _server_draft_path() -> str | None:
-    try:
-        from sglang.srt.server_args import get_global_server_args
-
-        return get_global_server_args().speculative_draft_model_path
-    except Exception:  # no server context (a bare model in a test): nothing to read
-        return None
-
-
 def plan_for_target(text_config: dict, architecture: str, layer_ids, draft_path: str | None,
                     override: str | None) -> AuxLayerPlan:
     """Resolve and validate; raise the first ConfigError (all of them are in its message)."""
     target = parse_target(dict(text_config, architectures=[architecture]))
     ids, convention, fc_in = layer_ids, None, None  # no readable draft: the ids SGLang passed, its way
-    draft_dir = _draft_dir(draft_path)
-    if draft_dir is not None:
-        draft = parse_draft(load_json(draft_dir))
+    directory = draft_dir(draft_path)
+    errors = []
+    if directory is not None:
+        draft = parse_draft(load_json(directory))
+        shapes = checkpoint.weight_shapes(directory)
         ids, convention = draft.aux_layer_ids, draft.aux_layer_convention
-        fc_in = checkpoint.fc_in_features(checkpoint.weight_shapes(draft_dir))
-    plan, errors = plan_for_ids(target, ids, convention, override, fc_in)
+        fc_in = checkpoint.fc_in_features(shapes)
+        errors += pair_errors(target, draft, shapes)  # the whole pair, before any weight is read
+    draft_kv_dtype_option()  # an unknown value is refused here, at target load
+    plan, plan_errors = plan_for_ids(target, ids, convention, override, fc_in)
+    errors += plan_errors
     if errors:
         if len(errors) > 1:
             raise ConfigError(errors[0].field, errors[0].value, errors[0].problem + " (and: " +
@@ -177,7 +162,10 @@ def make_hook(family: str):
         if family == "deepseek" and arch not in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                                                  "DeepseekV32ForCausalLM"):
             arch = "DeepseekV3ForCausalLM"  # a VL wrapper's text model (Kimi-K2.5) is a DeepseekV3
-        plan = plan_for_target(config, arch, layer_ids, _server_draft_path(), os.environ.get(OVERRIDE_ENV))
+        plan = plan_for_target(config, arch, layer_ids, server_draft_path(), os.environ.get(OVERRIDE_ENV))
+        from sglang_ext.serving import adaptive
+
+        adaptive.warn_if_inert(server_args())  # an unknown policy name is refused here, at startup
         num_layers = int(config["num_hidden_layers"])
         _apply_plan(self, plan, num_layers, family)
         upstream = None

@@ -1,0 +1,154 @@
+"""Draft fewer steps (or none) when speculation stops paying, from measured step times.
+
+One batch-size bucket runs verify steps at a depth k chosen from `candidates` (0 = no drafting).
+Throughput per request at depth k is
+
+    goodput(k) = (1 + E[min(a, k)]) / t(k)
+
+with a the accepted drafts of a step (bonus excluded) and t(k) the measured wall time of a step
+at depth k. E[min(a, k)] = sum_{i<=k} P(a >= i) comes from the per-position acceptance of a recent
+window of steps; positions deeper than the window measured are extrapolated with its last
+conditional rate. t(k) is an EMA of measured step times where k ran; other depths are read off a
+line t(k) = t0 + k * d fitted to the measured depths (until two depths were measured, a draft step is
+assumed to cost `prior_draft_cost` of a step at k = 0: the only constant, and only until measured).
+At k = 0 no acceptance can be measured, so the policy probes the smallest positive depth every
+`probe_every` steps. A switch needs a predicted gain above `min_gain`; every switch states why.
+Pure Python: the SGLang adapter feeds it, the CPU tests drive it with synthetic traces.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+
+@dataclasses.dataclass
+class Decision:
+    depth: int
+    changed: bool
+    reason: str
+
+
+class CostModelPolicy:
+    def __init__(self, candidates, initial: int, window: int = 64, ema: float = 0.2, warmup: int = 8,
+                 decide_every: int = 8, probe_every: int = 256, probe_len: int = 16, min_gain: float = 0.03,
+                 prior_draft_cost: float = 0.15):
+        self.candidates = sorted(set(int(c) for c in candidates))
+        if not self.candidates:
+            raise ValueError("candidates must not be empty")
+        self.depth = initial if initial in self.candidates else self.candidates[len(self.candidates) // 2]
+        self.window: collections.deque = collections.deque(maxlen=window)  # (depth, accepted) per request-step
+        self.times: dict[int, float] = {}
+        self.ema, self.warmup, self.decide_every = ema, warmup, decide_every
+        self.probe_every, self.probe_len, self.min_gain = probe_every, probe_len, min_gain
+        self.prior_draft_cost = prior_draft_cost
+        self._steps = 0
+        self._since_decision = 0
+        self._at_zero = 0
+        self._probing = 0
+        self.last_reason = "initial"
+
+    # --------------------------------------------------------------------------------- inputs
+    def observe(self, depth: int, accepted: list[int], step_seconds: float | None) -> Decision:
+        """One verify step of a batch at `depth` (what ran; under SGLang's overlap scheduler it may
+        lag the current choice by a step), its per-request accepted drafts and its wall time."""
+        if step_seconds is not None and step_seconds > 0:
+            old = self.times.get(depth)
+            self.times[depth] = step_seconds if old is None else (1 - self.ema) * old + self.ema * step_seconds
+        if depth > 0:
+            self.window.extend((depth, min(int(a), depth)) for a in accepted)
+        self._steps += 1
+        self._since_decision += 1
+        if self._probing:
+            self._probing -= 1
+            if self._probing:
+                return Decision(self.depth, False, "probing")
+            return self._decide(force=True)
+        if self.depth == 0:
+            self._at_zero += 1
+            if self._at_zero >= self.probe_every:
+                return self._probe()
+        if self._steps <= self.warmup or self._since_decision < self.decide_every:
+            return Decision(self.depth, False, "waiting")
+        return self._decide()
+
+    # ------------------------------------------------------------------------------- estimates
+    def acceptance_at_depth(self) -> tuple[int, list[float]]:
+        """(K, [P(a >= i) for i = 1..K]) over the window's steps at its deepest depth K."""
+        if not self.window:
+            return 0, []
+        deepest = max(d for d, _ in self.window)
+        steps = [a for d, a in self.window if d == deepest]
+        return deepest, [sum(a >= i for a in steps) / len(steps) for i in range(1, deepest + 1)]
+
+    def expected_accepted(self, k: int) -> float | None:
+        depth, p = self.acceptance_at_depth()
+        if not p:
+            return None
+        total = sum(p[:k])
+        if k > depth:
+            prev = p[-2] if depth >= 2 else 1.0
+            rate = min(1.0, p[-1] / prev) if prev > 0 else 0.0
+            last = p[-1]
+            for _ in range(k - depth):
+                last *= rate
+                total += last
+        return total
+
+    def step_time(self, k: int) -> float | None:
+        if k in self.times:
+            return self.times[k]
+        known = sorted(self.times.items())
+        if len(known) >= 2:  # least-squares line through the measured depths
+            n = len(known)
+            mx = sum(x for x, _ in known) / n
+            my = sum(y for _, y in known) / n
+            var = sum((x - mx) ** 2 for x, _ in known)
+            slope = sum((x - mx) * (y - my) for x, y in known) / var if var else 0.0
+            return max(my + slope * (k - mx), 1e-9)
+        if len(known) == 1:
+            k0, t0 = known[0]
+            return t0 * (1 + self.prior_draft_cost * k) / (1 + self.prior_draft_cost * k0)
+        return None
+
+    def goodput(self, k: int) -> float | None:
+        t = self.step_time(k)
+        if t is None:
+            return None
+        e = 0.0 if k == 0 else self.expected_accepted(k)
+        return None if e is None else (1 + e) / t
+
+    # ------------------------------------------------------------------------------- decisions
+    def _decide(self, force: bool = False) -> Decision:
+        self._since_decision = 0
+        scores = {k: self.goodput(k) for k in self.candidates}
+        scores = {k: g for k, g in scores.items() if g is not None}
+        current = scores.get(self.depth)
+        if not scores or current is None:
+            return Decision(self.depth, False, "no estimate yet")
+        best = max(scores, key=lambda k: scores[k])
+        gain = scores[best] / current - 1 if current > 0 else float("inf")
+        if best == self.depth or (gain < self.min_gain and not force):  # after a probe: no hysteresis
+            return Decision(self.depth, False, "keep")
+        old = self.depth
+        k_depth, p = self.acceptance_at_depth()
+        self.last_reason = (
+            f"depth {old} -> {best}: predicted tokens/s per request {scores[best]:.1f} vs {current:.1f} "
+            f"({gain:+.0%}); accepted drafts per step at depth {k_depth}: {sum(p):.2f}, per position "
+            f"[{', '.join(f'{x:.2f}' for x in p)}]; step ms " +
+            ", ".join(f"k={k}: {1e3 * t:.2f}{'' if k in self.times else ' (model)'}"
+                      for k, t in ((k, self.step_time(k)) for k in self.candidates) if t is not None))
+        self.depth = best
+        if best == 0:
+            self._at_zero = 0
+        return Decision(best, True, self.last_reason)
+
+    def _probe(self) -> Decision:
+        positive = [c for c in self.candidates if c > 0]
+        self._at_zero = 0
+        if not positive:
+            return Decision(0, False, "no positive depth to probe")
+        self._probing = self.probe_len
+        self.depth = positive[0]
+        self.last_reason = f"depth 0 -> {self.depth}: probe acceptance for {self.probe_len} steps"
+        return Decision(self.depth, True, self.last_reason)

@@ -1,0 +1,341 @@
+"""What a (target, Eagle3 head) pair must look like to be served, and what its KV pools cost.
+
+Pure Python (no torch, no SGLang): `inspect-draft` runs it on a laptop, the serving adapters run
+the same functions at server start, and the CPU tests pin both against hand-computed values.
+
+* `pair_errors(target, draft, shapes)`: every reason to refuse the pair (ConfigError with field,
+  value, problem, fix): MLA fields on an MHA architecture and the reverse, hidden size or
+  vocabulary incompatible with the target, `d2t` length, missing / extra / mis-shaped weights.
+* `expected_weights(draft)`: the serving checkpoint's names and shapes, in the layout SGLang
+  0.5.17's `LlamaForCausalLMEagle3` / `Eagle3DeepseekV2ForCausalLM` load (also vLLM's).
+* KV pool arithmetic: bytes per token of the target pool and of the draft pool (per TP rank), and
+  the split of a KV budget between them. SGLang's draft shares the target's token allocator, so both
+  pools always hold the same number of tokens; what differs is what each token costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+from sglang_ext.conventions import MLA_FIELDS, ConfigError, DraftSpec, TargetSpec
+
+DRAFT_KV_DTYPE_ENV = "SGLANG_EXT_DRAFT_KV_CACHE_DTYPE"
+
+# cache dtype name -> (bytes per element, minimum CUDA compute capability to cache it)
+KV_DTYPES = {"bf16": (2, (8, 0)), "fp16": (2, (7, 0)), "fp8_e4m3": (1, (8, 9)), "fp32": (4, (7, 0))}
+KV_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "fp8": "fp8_e4m3",
+                    "float8_e4m3fn": "fp8_e4m3", "float32": "fp32"}
+
+
+def canonical_kv_dtype(name: str | None, field: str = DRAFT_KV_DTYPE_ENV) -> str | None:
+    """None / "auto" -> None (follow the target); else one of KV_DTYPES."""
+    if name is None or str(name).strip().lower() in ("", "auto"):
+        return None
+    key = str(name).strip().lower()
+    key = KV_DTYPE_ALIASES.get(key, key)
+    if key not in KV_DTYPES:
+        raise ConfigError(field, name, "unknown KV cache dtype",
+                          f"use one of auto, {', '.join(k for k in KV_DTYPES if k != 'fp32')}")
+    return key
+
+
+def draft_kv_dtype_option() -> str | None:
+    """The operator's draft KV dtype (environment; SGLang 0.5.17 has no per-draft server argument)."""
+    return canonical_kv_dtype(os.environ.get(DRAFT_KV_DTYPE_ENV))
+
+
+def kv_dtype_errors(draft: DraftSpec, draft_dtype: str | None, target_dtype: str,
+                    compute_capability: tuple[int, int] | None = None) -> list[ConfigError]:
+    """A draft KV dtype is allowed for a head that owns its layout (MHA); an MLA head caches in
+    the target's latent layout and dtype (one MLA attention backend serves both)."""
+    errors = []
+    if draft_dtype is None or draft_dtype == target_dtype:
+        return errors
+    if draft.head_format == "mla":
+        errors.append(ConfigError(DRAFT_KV_DTYPE_ENV, draft_dtype,
+                                  f"an MLA head shares the target's latent KV layout and dtype ({target_dtype}); "
+                                  "SGLang 0.5.17 builds one MLA attention backend configuration for both",
+                                  f"unset {DRAFT_KV_DTYPE_ENV} (or set it to {target_dtype}), or change the "
+                                  "target's --kv-cache-dtype, which the MLA head then follows"))
+    need = KV_DTYPES[draft_dtype][1]
+    if compute_capability is not None and tuple(compute_capability) < need:
+        errors.append(ConfigError(DRAFT_KV_DTYPE_ENV, draft_dtype,
+                                  f"this GPU (compute capability {compute_capability[0]}.{compute_capability[1]}) "
+                                  f"cannot cache {draft_dtype} (needs {need[0]}.{need[1]}+)",
+                                  f"use {DRAFT_KV_DTYPE_ENV}=bf16 or auto"))
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+
+
+def _num_aux(cfg: Mapping[str, Any]) -> int:
+    if cfg.get("num_aux_hidden_states"):
+        return int(cfg["num_aux_hidden_states"])
+    eagle = cfg.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids"))
+    return len(ids) if ids else 3
+
+
+def normalise_weight_name(name: str) -> str:
+    """Checkpoint name -> canonical (`layers.0.` for the decoder layer, no `model.` prefix), the
+    mappings SGLang's Eagle3 loaders apply (`midlayer` -> `layers.0`, legacy aux-norm names)."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.startswith("midlayer."):
+        name = "layers.0." + name[len("midlayer."):]
+    for i, legacy in enumerate(("aux_norm_low", "aux_norm_mid", "aux_norm_high")):
+        name = name.replace(legacy, f"fc_norm.{i}")
+    return name
+
+
+def expected_weights(cfg: Mapping[str, Any], head_format: str) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """(required, optional) {canonical name: shape} of an Eagle3 head checkpoint."""
+    h = int(cfg["hidden_size"])
+    th = int(cfg.get("target_hidden_size") or h)
+    vocab = int(cfg["vocab_size"])
+    dv = int(cfg.get("draft_vocab_size") or vocab)
+    inter = int(cfg["intermediate_size"])
+    heads = int(cfg["num_attention_heads"])
+    n_aux = _num_aux(cfg)
+    eagle = cfg.get("eagle_config") or {}
+    p = "layers.0."
+    req: dict[str, list[int]] = {"fc.weight": [h, th * n_aux], "norm.weight": [h]}
+    for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        req[f"{p}{n}.weight"] = [h]
+    req.update({f"{p}mlp.gate_proj.weight": [inter, h], f"{p}mlp.up_proj.weight": [inter, h],
+                f"{p}mlp.down_proj.weight": [h, inter]})
+    if head_format == "mha":
+        hd = int(cfg.get("head_dim") or h // heads)
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        req.update({f"{p}self_attn.q_proj.weight": [heads * hd, 2 * h],
+                    f"{p}self_attn.k_proj.weight": [kv * hd, 2 * h],
+                    f"{p}self_attn.v_proj.weight": [kv * hd, 2 * h],
+                    f"{p}self_attn.o_proj.weight": [h, heads * hd]})
+        if eagle.get("norm_before_fc", cfg.get("norm_before_fc", False)):
+            req["input_norm.weight"] = [th * n_aux]
+    else:
+        nope, rope, vd = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"]), int(cfg["v_head_dim"])
+        kvr = int(cfg["kv_lora_rank"])
+        a = f"{p}self_attn."
+        if cfg.get("q_lora_rank") is not None:
+            qr = int(cfg["q_lora_rank"])
+            req.update({a + "q_a_proj.weight": [qr, 2 * h], a + "q_a_layernorm.weight": [qr],
+                        a + "q_b_proj.weight": [heads * (nope + rope), qr]})
+        else:
+            req[a + "q_proj.weight"] = [heads * (nope + rope), 2 * h]
+        req.update({a + "kv_a_proj_with_mqa.weight": [kvr + rope, 2 * h], a + "kv_a_layernorm.weight": [kvr],
+                    a + "kv_b_proj.weight": [heads * (nope + vd), kvr], a + "o_proj.weight": [h, heads * vd]})
+    if cfg.get("fc_norm") or cfg.get("use_aux_norm"):
+        for i in range(n_aux):
+            req[f"fc_norm.{i}.weight"] = [th]
+    opt: dict[str, list[int]] = {"embed_tokens.weight": [vocab, h]}
+    lm_head = {"lm_head.weight": [dv, h]}
+    # SGLang takes the target's lm_head when the config names no draft vocabulary (or ties it)
+    (opt if cfg.get("tie_word_embeddings") or cfg.get("draft_vocab_size") is None else req).update(lm_head)
+    mapping = {"d2t": [dv], "t2d": [vocab]}
+    if dv < vocab:
+        req["d2t"] = mapping.pop("d2t")
+    opt.update(mapping)
+    return req, opt
+
+
+def weight_errors(draft: DraftSpec, shapes: Mapping[str, Mapping[str, Any]]) -> list[ConfigError]:
+    """Missing, extra and mis-shaped tensors (by safetensors header), each list in one error."""
+    if not shapes:
+        return []
+    req, opt = expected_weights(draft.config, draft.head_format)
+    got = {normalise_weight_name(k): list(v["shape"]) for k, v in shapes.items()}
+    errors = []
+    missing = sorted(set(req) - set(got))
+    extra = sorted(set(got) - set(req) - set(opt))
+    if missing:
+        errors.append(ConfigError("draft.weights", missing, f"{len(missing)} tensor(s) missing from the checkpoint",
+                                  "export the head again (the names listed are what SGLang's "
+                                  f"{draft.architecture} loads)"))
+    if extra:
+        errors.append(ConfigError("draft.weights", extra, f"{len(extra)} tensor(s) the {draft.head_format.upper()} "
+                                  "head does not have (SGLang would skip them silently)",
+                                  "check head format and config (fc_norm, q_lora_rank, norm_before_fc) "
+                                  "or remove the tensors"))
+    if draft.hidden_size != (draft.target_hidden_size or draft.hidden_size) and "embed_tokens.weight" not in got:
+        errors.append(ConfigError("draft.weights", "embed_tokens.weight absent",
+                                  f"the head's hidden size {draft.hidden_size} differs from the target's, so SGLang "
+                                  "cannot share the target's embedding and would run with an uninitialised one",
+                                  "ship embed_tokens.weight in the checkpoint"))
+    for name, shape in sorted(got.items()):
+        want = req.get(name, opt.get(name))
+        if want is not None and shape != want:
+            errors.append(ConfigError(f"draft.weights[{name}]", shape, f"shape differs from the config's {want}",
+                                      "fix hidden_size / heads / ranks / vocab in config.json or re-export"))
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Config compatibility
+# ---------------------------------------------------------------------------------------------
+
+
+def config_errors(target: TargetSpec, draft: DraftSpec) -> list[ConfigError]:
+    cfg = draft.config
+    errors = []
+    mla_fields = [f for f in ("q_lora_rank",) + MLA_FIELDS if cfg.get(f) is not None]
+    if draft.head_format == "mha" and [f for f in mla_fields if f != "q_lora_rank"]:
+        errors.append(ConfigError(f"draft.{mla_fields[0]}", cfg.get(mla_fields[0]),
+                                  f"MLA fields {mla_fields} on the MHA architecture {draft.architecture}",
+                                  "set architectures to ['Eagle3DeepseekV2ForCausalLM'] for an MLA head, "
+                                  "or remove the MLA fields"))
+    if draft.head_format == "mla":
+        missing = [f for f in MLA_FIELDS if cfg.get(f) is None]
+        if missing:
+            errors.append(ConfigError(f"draft.{missing[0]}", None,
+                                      f"the MLA architecture {draft.architecture} needs {list(MLA_FIELDS)}; "
+                                      f"missing {missing}",
+                                      "add them (for a Llama-style head use 'LlamaForCausalLMEagle3')"))
+    if draft.num_hidden_layers != 1:
+        errors.append(ConfigError("draft.num_hidden_layers", draft.num_hidden_layers,
+                                  "SGLang 0.5.17 serves one-layer Eagle3 heads", "set num_hidden_layers to 1"))
+    th = draft.target_hidden_size or draft.hidden_size
+    if th != target.hidden_size:
+        field = "draft.target_hidden_size" if draft.target_hidden_size else "draft.hidden_size"
+        errors.append(ConfigError(field, th, f"the head reads aux states of width {th}, the target's hidden "
+                                  f"size is {target.hidden_size}",
+                                  f"set target_hidden_size to {target.hidden_size} (or train the head on this "
+                                  "target)"))
+    if draft.vocab_size != target.vocab_size:
+        errors.append(ConfigError("draft.vocab_size", draft.vocab_size,
+                                  f"differs from the target's vocab_size {target.vocab_size}",
+                                  "a head shares the target's tokenizer: train it on this target"))
+    dv = draft.draft_vocab_size
+    if dv is not None and not 0 < dv <= draft.vocab_size:
+        errors.append(ConfigError("draft.draft_vocab_size", dv, f"outside 1..vocab_size ({draft.vocab_size})",
+                                  "set it to the length of d2t"))
+    if draft.hidden_size != target.hidden_size and dv is None:
+        errors.append(ConfigError("draft.hidden_size", draft.hidden_size,
+                                  f"differs from the target's {target.hidden_size} and the head has no lm_head of "
+                                  "its own (draft_vocab_size unset), so SGLang would share a mis-sized lm_head",
+                                  "set draft_vocab_size and ship lm_head.weight"))
+    return errors
+
+
+def d2t_errors(draft: DraftSpec, shapes: Mapping[str, Mapping[str, Any]]) -> list[ConfigError]:
+    dv = draft.draft_vocab_size or draft.vocab_size
+    for name, meta in shapes.items():
+        if normalise_weight_name(name) == "d2t" and list(meta["shape"]) != [dv]:
+            return [ConfigError("draft.weights[d2t]", list(meta["shape"]),
+                                f"length != draft_vocab_size {dv}", "re-export d2t with one entry per draft token, "
+                                "or fix draft_vocab_size")]
+    return []
+
+
+def pair_errors(target: TargetSpec, draft: DraftSpec, shapes: Mapping[str, Mapping[str, Any]]) -> list[ConfigError]:
+    errors = config_errors(target, draft)
+    if not errors:  # shapes only mean something once the config is coherent
+        errors = d2t_errors(draft, shapes) or weight_errors(draft, shapes)
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------
+# KV pool arithmetic (SGLang 0.5.17: DefaultPoolConfigurator._compute_cell_size)
+# ---------------------------------------------------------------------------------------------
+
+
+def dtype_bytes(name: str) -> int:
+    return KV_DTYPES[name][0]
+
+
+def target_kv_bytes_per_token(target: TargetSpec, dtype: str = "bf16", tp_size: int = 1) -> int:
+    """Per rank, all layers. MLA: the latent (kv_lora_rank + qk_rope_head_dim) is replicated on
+    every rank; MHA: K and V of the rank's KV heads."""
+    t = target.text_config
+    layers = target.num_hidden_layers
+    if target.is_mla:
+        return (int(t["kv_lora_rank"]) + int(t["qk_rope_head_dim"])) * layers * dtype_bytes(dtype)
+    heads = int(t["num_attention_heads"])
+    kv = max(1, int(t.get("num_key_value_heads") or heads) // tp_size)
+    hd = int(t.get("head_dim") or target.hidden_size // heads)
+    return kv * 2 * hd * layers * dtype_bytes(dtype)
+
+
+def draft_kv_bytes_per_token(draft: DraftSpec, dtype: str = "bf16", tp_size: int = 1) -> int:
+    cfg = draft.config
+    if draft.head_format == "mla":
+        return (int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])) * dtype_bytes(dtype)
+    heads = int(cfg["num_attention_heads"])
+    kv = max(1, int(cfg.get("num_key_value_heads") or heads) // tp_size)
+    hd = int(cfg.get("head_dim") or draft.hidden_size // heads)
+    return kv * 2 * hd * dtype_bytes(dtype)
+
+
+def upstream_draft_bytes_per_token(target: TargetSpec, dtype: str = "bf16", tp_size: int = 1) -> int:
+    """What SGLang 0.5.17 reserves for a one-layer draft: one more target layer."""
+    return target_kv_bytes_per_token(target, dtype, tp_size) // target.num_hidden_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSplit:
+    budget_bytes: int
+    target_bytes_per_token: int
+    draft_bytes_per_token: int
+    page_size: int = 1
+
+    @property
+    def tokens(self) -> int:
+        per = self.target_bytes_per_token + self.draft_bytes_per_token
+        n = self.budget_bytes // per if per else 0
+        return n // self.page_size * self.page_size
+
+    @property
+    def target_bytes(self) -> int:
+        return self.tokens * self.target_bytes_per_token
+
+    @property
+    def draft_bytes(self) -> int:
+        return self.tokens * self.draft_bytes_per_token
+
+    def to_dict(self) -> dict:
+        gib = 2 ** 30
+        return {"budget_gib": self.budget_bytes / gib, "tokens": self.tokens,
+                "target_bytes_per_token": self.target_bytes_per_token,
+                "draft_bytes_per_token": self.draft_bytes_per_token,
+                "target_gib": self.target_bytes / gib, "draft_gib": self.draft_bytes / gib}
+
+    def describe(self) -> str:
+        gib = 2 ** 30
+        return (f"{self.tokens} tokens in both pools; target {self.target_bytes_per_token} B/token = "
+                f"{self.target_bytes / gib:.3f} GiB, draft {self.draft_bytes_per_token} B/token = "
+                f"{self.draft_bytes / gib:.3f} GiB (budget {self.budget_bytes / gib:.3f} GiB)")
+
+
+def estimate_weight_bytes(text_config: Mapping[str, Any], dtype_size: int = 2, tp_size: int = 1) -> int:
+    """A rough per-rank parameter-byte estimate from a decoder config (DeepSeek/Kimi MoE or Llama),
+    for inspect-draft's split; the server measures the real figure."""
+    c = text_config
+    h, v, layers = int(c["hidden_size"]), int(c["vocab_size"]), int(c["num_hidden_layers"])
+    heads = int(c["num_attention_heads"])
+    if c.get("kv_lora_rank") is not None:
+        nope, rope, vd, kvr = (int(c.get("qk_nope_head_dim") or 128), int(c.get("qk_rope_head_dim") or 64),
+                               int(c.get("v_head_dim") or 128), int(c["kv_lora_rank"]))
+        qr = c.get("q_lora_rank")
+        q = (h * int(qr) + int(qr) * heads * (nope + rope)) if qr else h * heads * (nope + rope)
+        attn = q + h * (kvr + rope) + kvr * heads * (nope + vd) + heads * vd * h
+    else:
+        hd = int(c.get("head_dim") or h // heads)
+        kv = int(c.get("num_key_value_heads") or heads)
+        attn = h * hd * (2 * heads + 2 * kv)
+    inter = int(c.get("intermediate_size") or 4 * h)
+    dense = 3 * h * inter
+    n_routed = int(c.get("n_routed_experts") or 0)
+    first_dense = int(c.get("first_k_dense_replace") or 0)
+    if n_routed:
+        moe_inter = int(c.get("moe_intermediate_size") or inter)
+        moe = 3 * h * moe_inter * (n_routed + int(c.get("n_shared_experts") or 0)) + h * n_routed
+        mlp = first_dense * dense + (layers - first_dense) * moe
+    else:
+        mlp = layers * dense
+    embed = v * h * (1 if c.get("tie_word_embeddings") else 2)
+    return (layers * attn + mlp + embed) * dtype_size // tp_size

@@ -1,0 +1,139 @@
+"""Speculation that never costs more than it saves: SGLang's --speculative-adaptive with a cost model.
+
+Opt-in: ``--speculative-adaptive`` (SGLang's flag: chain drafting, topk 1) plus
+``SGLANG_EXT_ADAPTIVE_POLICY=cost``. Without the variable SGLang's own acceptance thresholds run
+unchanged; with it but without ``--speculative-adaptive`` nothing changes (a warning says so).
+
+Extends (hooks registered by sglang_ext.plugin), SGLang 0.5.17:
+  * ``sglang.srt.speculative.adaptive_spec_params.AdaptiveStepSlot.update`` (AROUND) -- the per
+    batch-size slot's decision becomes sglang_ext.core.adaptive.CostModelPolicy's: measured step
+    times and per-position acceptance instead of fixed acceptance thresholds. Upstream's machinery
+    stays: prebuilt runtime states per candidate depth, per-batch-size routing, CUDA graphs.
+  * ``...adaptive_spec_params._load_adaptive_config`` (AROUND) -- without a config file, every
+    batch-size bucket may choose from [0, 1, 3] (upstream's default offers no 0 at batch 1, so a
+    draft that never accepts would still be run there).
+  * ``SchedulerBatchResultProcessor._resolve_spec_v2_tokens`` (BEFORE) and
+    ``process_batch_result_prefill`` / ``process_batch_result_idle`` (AFTER) -- the step clock:
+    wall time between consecutive decode results with nothing else processed in between, and the
+    depth each result really ran (``speculative_num_draft_tokens - 1``; under the overlap scheduler
+    the slot's current depth may already be the next one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from sglang_ext.core.adaptive import CostModelPolicy
+
+logger = logging.getLogger(__name__)
+
+POLICY_ENV = "SGLANG_EXT_ADAPTIVE_POLICY"
+DEFAULT_CANDIDATES = [0, 1, 3]
+
+
+def enabled() -> bool:
+    value = os.environ.get(POLICY_ENV, "").strip().lower()
+    if value in ("", "off", "sglang", "upstream"):
+        return False
+    if value != "cost":
+        from sglang_ext.conventions import ConfigError
+
+        raise ConfigError(POLICY_ENV, value, "unknown adaptive policy", "use 'cost' or leave it unset (upstream)")
+    return True
+
+
+class StepClock:
+    """Wall time of the last decode step and the depth it ran, or None when the interval also
+    processed something else (a prefill, an idle batch) or followed a pause."""
+
+    def __init__(self, max_gap_s: float = 1.0):
+        self.last: float | None = None
+        self.seconds: float | None = None
+        self.depth: int | None = None
+        self.max_gap_s = max_gap_s
+
+    def decode_result(self, depth: int | None) -> None:
+        now = time.perf_counter()
+        gap = None if self.last is None else now - self.last
+        self.seconds = gap if gap is not None and gap < self.max_gap_s else None
+        self.depth = depth
+        self.last = now
+
+    def other_work(self) -> None:
+        self.last = None
+
+
+CLOCK = StepClock()
+
+
+def resolve_spec_tokens_before(self, result, batch, *args, **kwargs):
+    n = getattr(result, "speculative_num_draft_tokens", None)
+    CLOCK.decode_result(None if n is None else int(n) - 1)
+    return None
+
+
+def other_batch_after(result, *args, **kwargs):
+    CLOCK.other_work()
+    return result
+
+
+def slot_update(original_fn, self, num_correct_drafts_per_req):
+    if not enabled():
+        return original_fn(self, num_correct_drafts_per_req)
+    policy = getattr(self, "_sglang_ext_policy", None)
+    if policy is None:
+        policy = self._sglang_ext_policy = CostModelPolicy(self.candidate_steps, self.current_steps)
+    depth = CLOCK.depth if CLOCK.depth is not None else self.current_steps
+    decision = policy.observe(depth, list(num_correct_drafts_per_req or []), CLOCK.seconds)
+    if decision.changed and decision.depth != self.current_steps:
+        self.current_steps = decision.depth
+        try:
+            from sglang.srt.utils import log_info_on_rank0
+
+            log_info_on_rank0(logger, f"[sglang_ext] adaptive speculation: {decision.reason}")
+        except Exception:
+            logger.info("[sglang_ext] adaptive speculation: %s", decision.reason)
+        return True
+    return False
+
+
+def load_adaptive_config(original_fn, cfg_path, *args, **kwargs):
+    if cfg_path is None and enabled():
+        default = {str(bs): {"candidate_steps": list(DEFAULT_CANDIDATES)} for bs in (1, 8, 32, 64)}
+        return _validated(default, original_fn)
+    return original_fn(cfg_path, *args, **kwargs)
+
+
+def _validated(cfg: dict, original_fn):
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(cfg, f)
+    try:
+        return original_fn(f.name)  # upstream's validation of our default
+    finally:
+        os.unlink(f.name)
+
+
+def warn_if_inert(server_args) -> None:
+    if enabled() and not getattr(server_args, "speculative_adaptive", False):
+        logger.warning("[sglang_ext] %s=cost has no effect without --speculative-adaptive", POLICY_ENV)
+
+
+AROUND_HOOKS = {
+    "sglang.srt.speculative.adaptive_spec_params.AdaptiveStepSlot.update": slot_update,
+    "sglang.srt.speculative.adaptive_spec_params._load_adaptive_config": load_adaptive_config,
+}
+BEFORE_HOOKS = {
+    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
+    "_resolve_spec_v2_tokens": resolve_spec_tokens_before,
+}
+AFTER_HOOKS = {
+    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
+    "process_batch_result_prefill": other_batch_after,
+    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
+    "process_batch_result_idle": other_batch_after,
+}

@@ -1,0 +1,422 @@
+"""GPU check: both Eagle3 head formats served under an MLA target, draft KV pool sizing and dtype,
+and acceptance reporting without the bonus token (issues: head formats + KV pool; worker + metrics).
+
+Builds a tiny DeepseekV3 target (8 layers, DeepSeek-V3 MLA dims, one MoE layer) and a ChatML BPE
+tokenizer, trains an MHA head and an MLA head with `q_lora_rank: null` under our architecture name
+`Eagle3DeepseekV3ForCausalLM` (`python -m training.train_draft`, in-process regeneration), then for
+each arm starts `python -m sglang.launch_server` (CUDA graphs on, --enable-metrics) and sends the
+same chat prompts (64 in flight, greedy). Per arm it reports: outputs equal to the target alone
+(partings at a near-tie, top-2 logprob gap <= 0.02, counted), the invariant completion_tokens =
+accepted drafts + verify steps + 1 per request, whether the sum of meta_info, /metrics, the
+/get_server_info ledger and the last decode log line agree exactly, accepted drafts per step, and
+the KV pool lines (arithmetic vs what the allocator really holds). Writes $OUT/serving.json.
+
+    PYTHONPATH=/tmp/site:. python tests/gpu/check_serving.py [ARM ...]   (default: all arms)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from serverlib import Server  # noqa: E402
+
+from sglang_ext.conventions import load_json, parse_draft, parse_target  # noqa: E402
+from sglang_ext.draft_schema import draft_kv_bytes_per_token, target_kv_bytes_per_token  # noqa: E402
+
+WORK = "/tmp/servecheck"
+OUT = os.environ.get("OUT", "/tmp")
+N_PROMPTS = int(os.environ.get("N_PROMPTS", "200"))
+CONCURRENCY = 64
+CHAIN = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+TREE = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"]
+FP8 = {"SGLANG_EXT_DRAFT_KV_CACHE_DTYPE": "fp8_e4m3"}
+# name: (head or None, drafting args, env, expect refusal, max_new_tokens override)
+ARMS = {
+    "target": (None, [], {}, False, None),
+    # upstream SGLang EAGLE3 (plugin excluded), the MHA head with its ids in upstream's convention
+    "upstream-mha-chain": ("mha-upstream", CHAIN, {"SGLANG_PLUGINS": "none"}, False, None),
+    "mha-chain": ("mha", CHAIN, {}, False, None),
+    "mla-chain": ("mla", CHAIN, {}, False, None),
+    "mha-tree": ("mha", TREE, {}, False, None),
+    "mla-tree": ("mla", TREE, {}, False, None),
+    "mha-chain-fp8": ("mha", CHAIN, FP8, False, None),
+    "simulate-2.5": ("mha", CHAIN, {"SGLANG_SIMULATE_ACC_LEN": "2.5"}, False, 400),
+    "mla-fp8-refused": ("mla", CHAIN, FP8, True, None),
+}
+WORDS = ["the", "a", "of", "and", "to", "is", "in", "number", "answer", "apples", "cost", "dollars", "what",
+         "how", "many", "total", "each", "has"]
+
+
+def build():
+    from sglang_ext.core import tiny
+
+    cfg = tiny.deepseek_v3_config(num_layers=8, moe_layers=1, hidden=512, heads=8, vocab=512, q_lora_rank=256,
+                                  kv_lora_rank=512, qk_nope=128, qk_rope=64, v_head=128, init_std=0.05,
+                                  n_routed_experts=8)
+    target = tiny.build_target(cfg, seed=0)
+    tok = tiny.train_tokenizer(512)
+    tiny.save_target(target, tok, f"{WORK}/target")
+    rng = random.Random(0)
+
+    def question():
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))) + f" {rng.randint(0, 99)}"
+
+    with open(f"{WORK}/train.jsonl", "w") as f:
+        for _ in range(600):
+            f.write(json.dumps({"messages": [{"role": "user", "content": question()},
+                                             {"role": "assistant", "content": "x"}]}) + "\n")
+    with open(f"{WORK}/heldout.jsonl", "w") as f:
+        for _ in range(16):
+            f.write(json.dumps({"question": question(), "answer": "#### 1"}) + "\n")
+    prompts = []
+    for _ in range(N_PROMPTS):
+        ids = tok.apply_chat_template([{"role": "user", "content": question()}], add_generation_prompt=True,
+                                      tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts
+
+
+def train_heads() -> subprocess.Popen | None:
+    """The heads not trained yet, one after the other in the background (the GPU is shared with a
+    server start). One work directory: the MLA run reuses the regenerated data, not the checkpoint."""
+    common = (f"--target {WORK}/target --work {WORK}/train --eval-data {WORK}/heldout.jsonl --eval-prompts 8 "
+              f"--eval-max-new-tokens 48 --max-new-tokens 96 --draft-vocab-size 384 --lr 3e-3 --ttt-steps 4 "
+              f"--device cuda")
+    cmds = []
+    if not os.path.exists(f"{WORK}/head-mha/model.safetensors"):
+        cmds.append(f"{sys.executable} -m training.train_draft {common} --data messages:{WORK}/train.jsonl "
+                    f"--epochs 6 --draft-format mha --out {WORK}/head-mha")
+    if not os.path.exists(f"{WORK}/head-mla/model.safetensors"):
+        mla = (f"rm -rf {WORK}/train/checkpoint && {sys.executable} -m training.train_draft {common} "
+               f"--data messages:{WORK}/train.jsonl:300 --epochs 3 --draft-format mla --out {WORK}/head-mla "
+               f"--head-override q_lora_rank=null")
+        cmds.append(f"( {mla} || {mla} --precision fp32 )")  # the trainer stops at the first non-finite loss
+    if not cmds:
+        return None
+    return subprocess.Popen(" && ".join(cmds), shell=True, stdout=open(f"{WORK}/train.log", "a"),
+                            stderr=subprocess.STDOUT,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def upstream_copy_of_mha_head():
+    """The MHA head with its aux ids written the way upstream SGLang reads undeclared ids, so that both
+    servers capture the same target layers (our plugin reads undeclared ids the same way)."""
+    from sglang_ext.conventions import from_output_ids
+
+    src, dst = f"{WORK}/head-mha", f"{WORK}/head-mha-upstream"
+    os.system(f"rm -rf {dst} && cp -r {src} {dst}")
+    cfg = json.load(open(f"{dst}/config.json"))
+    eagle = cfg["eagle_config"]
+    eagle["eagle_aux_hidden_state_layer_ids"] = from_output_ids(eagle["eagle_aux_hidden_state_layer_ids"], "sglang")
+    eagle.pop("aux_layer_convention", None)
+    json.dump(cfg, open(f"{dst}/config.json", "w"), indent=1)
+
+
+def rename_mla_head():
+    path = f"{WORK}/head-mla/config.json"
+    cfg = json.load(open(path))
+    cfg["architectures"] = ["Eagle3DeepseekV3ForCausalLM"]  # a name upstream SGLang does not know
+    json.dump(cfg, open(path, "w"), indent=1)
+
+
+def run_prompts(srv: Server, prompts: list[list[int]], logprobs: bool, max_new: int | None) -> list[dict]:
+    def one(i):
+        sp = {"temperature": 0, "max_new_tokens": max_new or 24 + (i % 5) * 9}
+        if max_new:
+            sp["ignore_eos"] = True
+        payload = {"input_ids": prompts[i], "sampling_params": sp}
+        if logprobs:
+            payload.update(return_logprob=True, top_logprobs_num=2, logprob_start_len=-1)
+        r = srv.post("/generate", payload, timeout=600)
+        meta = r["meta_info"]
+        row = {"ids": r.get("output_ids") or [], "meta": {k: v for k, v in meta.items()
+                                                          if k.startswith("spec") or k == "completion_tokens"}}
+        if logprobs:
+            row["top2"] = [[t[0] for t in step[:2]] for step in meta["output_top_logprobs"]]
+        return row
+
+    with cf.ThreadPoolExecutor(CONCURRENCY) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def compare(ref: list[dict], rows: list[dict]) -> dict:
+    same = near_tie = real = 0
+    examples, gaps = [], []
+    for i, (a, b) in enumerate(zip(ref, rows)):
+        x, y = a["ids"], b["ids"]
+        if x == y:
+            same += 1
+            continue
+        k = next((j for j in range(min(len(x), len(y))) if x[j] != y[j]), min(len(x), len(y)))
+        top2 = a["top2"][k] if k < len(a["top2"]) else []
+        gap = top2[0] - top2[1] if len(top2) == 2 and None not in top2 else None
+        if gap is not None and gap <= 0.02:
+            near_tie += 1
+        else:
+            real += 1
+            gaps.append(gap)
+            if len(examples) < 3:
+                examples.append({"prompt": i, "position": k, "gap": gap})
+    known = sorted(g for g in gaps if g is not None)
+    return {"identical": same, "near_tie_partings": near_tie, "other_partings": real, "examples": examples,
+            "other_gaps_max": known[-1] if known else None,
+            "other_gaps_median": known[len(known) // 2] if known else None}
+
+
+def metrics_counters(text: str) -> dict:
+    out = {"position": {}, "histogram": {}}
+    for line in text.splitlines():
+        if not line.startswith("sglang:spec_ext_"):
+            continue
+        m = re.match(r'(sglang:spec_ext_\w+?)(_total)?\{([^}]*)\} ([-\d.e+]+)', line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(3), float(m.group(4))
+        if name.endswith("position_accepted"):
+            out["position"][re.search(r'position="(\d+)"', labels).group(1)] = value
+        elif name.endswith("accepted_drafts_histogram"):
+            out["histogram"][re.search(r'accepted="(\d+)"', labels).group(1)] = value
+        elif m.group(2) or name.endswith("per_step"):
+            out[name[len("sglang:spec_ext_"):]] = value
+    return out
+
+
+LOG_TOTALS = r"finished reqs: (\d+) \(accepted drafts (\d+) over (\d+) verify steps\)"
+
+
+def snapshot(srv: Server) -> dict:
+    """Every view's totals before our prompts (the server's warmup request is already counted)."""
+    prom = metrics_counters(srv.get("/metrics"))
+    info = json.loads(srv.get("/get_server_info"))
+    ledger = (info.get("internal_states") or [{}])[0].get("sglang_ext_acceptance", {})
+    last = re.findall(LOG_TOTALS, srv.log())
+    return {"metrics": {"requests": prom.get("requests", 0.0), "verify_steps": prom.get("verify_steps", 0.0),
+                        "accepted_drafts": prom.get("accepted_drafts", 0.0),
+                        "position": [prom["position"].get(str(i), 0.0) for i in (1, 2, 3)]},
+            "server_info": {"requests": ledger.get("finished_requests", 0), "verify_steps": ledger.get("verify_steps", 0),
+                            "accepted_drafts": ledger.get("accepted_drafts", 0),
+                            "position": [round(p * ledger.get("verify_steps", 0)) for p in
+                                         ledger.get("per_position_acceptance", [0, 0, 0])[:3]]},
+            "log_line": ({"requests": int(last[-1][0]), "accepted_drafts": int(last[-1][1]),
+                          "verify_steps": int(last[-1][2])} if last else
+                         {"requests": 0, "accepted_drafts": 0, "verify_steps": 0})}
+
+
+def _minus(view, base):
+    if view is None:
+        return None
+    out = {}
+    for k, v in view.items():
+        if k == "position":
+            out[k] = [None if x is None else x - b for x, b in zip(v, base[k])]
+        else:
+            out[k] = None if v is None else v - base.get(k, 0)
+    return out
+
+
+def accounting(rows: list[dict], srv: Server, log: str, base: dict) -> dict:
+    metas = [r["meta"] for r in rows]
+    inv_fail = [i for i, m in enumerate(metas)
+                if m.get("spec_verify_ct") and m["completion_tokens"] != m["spec_accepted_drafts"] + m["spec_verify_ct"] + 1]
+    steps = sum(m.get("spec_verify_ct", 0) for m in metas)
+    accepted = sum(m.get("spec_accepted_drafts", 0) for m in metas)
+    positions = [0, 0, 0]
+    for m in metas:
+        for i, c in enumerate(m.get("spec_position_accepted", [])[:3]):
+            positions[i] += c
+    time.sleep(2)
+    prom = metrics_counters(srv.get("/metrics"))
+    info = json.loads(srv.get("/get_server_info"))
+    ledger = (info.get("internal_states") or [{}])[0].get("sglang_ext_acceptance", {})
+    last = re.findall(LOG_TOTALS, log)
+    sums = {"requests": len(metas), "verify_steps": steps, "accepted_drafts": accepted, "position": positions}
+    views = {
+        "meta_info": sums,
+        "metrics": {"requests": prom.get("requests"), "verify_steps": prom.get("verify_steps"),
+                    "accepted_drafts": prom.get("accepted_drafts"),
+                    # a Prometheus counter child exists once incremented: absent = 0
+                    "position": [prom["position"].get(str(i), 0.0) for i in (1, 2, 3)]},
+        "server_info": {"requests": ledger.get("finished_requests"), "verify_steps": ledger.get("verify_steps"),
+                        "accepted_drafts": ledger.get("accepted_drafts"),
+                        "position": [round(p * ledger.get("verify_steps", 0)) for p in
+                                     ledger.get("per_position_acceptance", [])[:3]]},
+        "log_line": ({"requests": int(last[-1][0]), "accepted_drafts": int(last[-1][1]),
+                      "verify_steps": int(last[-1][2])} if last else None),
+    }
+    views = {k: (v if k == "meta_info" else _minus(v, base[k])) for k, v in views.items()}
+
+    def agree(view):
+        if view is None:
+            return False
+        for k, v in view.items():
+            if k == "position":
+                if [None if x is None else int(x) for x in v] != positions:
+                    return False
+            elif v is None or float(v) != float(sums[k]):
+                return False
+        return True
+
+    return {"invariant_failures": len(inv_fail), "accepted_drafts_per_step": accepted / steps if steps else 0.0,
+            "per_position": [p / steps if steps else 0.0 for p in positions], "views": views,
+            "all_views_agree": all(agree(v) for v in views.values()),
+            "discarded_drafts": ledger.get("discarded_drafts")}
+
+
+def pool_lines(log: str, head: str, env: dict) -> dict:
+    lines = re.findall(r"\[sglang_ext\] (KV [^\n]*|(?:draft|target) KV pool allocated[^\n]*|draft KV cache dtype[^\n]*)",
+                       log)
+    target = parse_target(load_json(f"{WORK}/target"))
+    draft = parse_draft(load_json(f"{WORK}/head-{head}"))
+    dtype = "fp8_e4m3" if env.get("SGLANG_EXT_DRAFT_KV_CACHE_DTYPE") == "fp8_e4m3" else "bf16"
+    expect = {"target_bytes_per_token": target_kv_bytes_per_token(target, "bf16"),
+              "draft_bytes_per_token": draft_kv_bytes_per_token(draft, dtype)}
+    got = {}
+    m = re.search(r"KV bytes/token per rank: target (\d+) .*?, draft (\d+)", log)
+    if m:
+        got.update(target_bytes_per_token=int(m.group(1)), draft_bytes_per_token=int(m.group(2)))
+    for who in ("target", "draft"):
+        m = re.search(who + r" KV pool allocated: (\d+) tokens, ([\d.]+) GiB, (\d+) B/token", log)
+        if m:
+            got[f"{who}_allocated"] = {"tokens": int(m.group(1)), "gib": float(m.group(2)),
+                                       "bytes_per_token": int(m.group(3))}
+    ok = (got.get("target_bytes_per_token") == expect["target_bytes_per_token"]
+          and got.get("draft_bytes_per_token") == expect["draft_bytes_per_token"]
+          and got.get("draft_allocated", {}).get("bytes_per_token") == expect["draft_bytes_per_token"]
+          and got.get("target_allocated", {}).get("bytes_per_token") == expect["target_bytes_per_token"])
+    return {"expected": expect, "logged": got, "arithmetic_matches": ok, "lines": lines[:6]}
+
+
+def main():
+    arms = sys.argv[1:] or list(ARMS)
+    t0 = time.time()
+    deadline = float(os.environ.get("GPU_CHECK_DEADLINE", "1e9"))  # no new arm after this many seconds
+    restore = os.environ.get("GPU_CHECK_RESTORE")  # a previous call's $OUT/state (machine went cold)
+    if restore and not os.path.exists(f"{WORK}/state.json"):
+        os.system(f"mkdir -p {WORK} && cp -r {restore}/. {WORK}/")
+    os.makedirs(WORK, exist_ok=True)
+    state_path = f"{WORK}/state.json"
+    state = json.load(open(state_path)) if os.path.exists(state_path) else {}
+    if "prompts" not in state or not os.path.exists(f"{WORK}/target/model.safetensors"):
+        state["prompts"] = build()
+        json.dump(state, open(state_path, "w"))
+    prompts = state["prompts"]
+    trainer = train_heads()
+    print(f"[check] built in {time.time() - t0:.0f}s; {len(prompts)} prompts", flush=True)
+    results = state.setdefault("results", {})
+    for name in arms:
+        if time.time() - t0 > deadline:
+            print(f"[check] {name}: not started (deadline {deadline:.0f}s)", flush=True)
+            continue
+        head, drafting, env, refuse, max_new = ARMS[name]
+        # the MHA head (restored or trained first) can be served while the MLA head trains
+        if trainer is not None and (head == "mla" or (head is not None and not os.path.exists(
+                f"{WORK}/head-{head}/config.json"))):
+            rc = trainer.wait()
+            print(open(f"{WORK}/train.log").read()[-3000:], flush=True)
+            if rc != 0:
+                print("[check] training failed; stopping")
+                break
+            trainer = None
+        if head == "mla":
+            rename_mla_head()
+        if head == "mha-upstream":
+            upstream_copy_of_mha_head()
+        if head is not None:  # SGLang reads the draft directory's tokenizer files too
+            os.system(f"cp -n {WORK}/target/tokenizer*.json {WORK}/target/chat_template.jinja {WORK}/head-{head}/ "
+                      "2>/dev/null")
+        args = ["--model-path", f"{WORK}/target", "--enable-metrics", "--decode-log-interval", "1",
+                "--max-running-requests", "64", "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32", "64"]
+        if head is not None:
+            args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", f"{WORK}/head-{head}",
+                     *drafting]
+        row = {"arm": name, "head": head, "drafting": " ".join(drafting), "env": env}
+        t = time.time()
+        with Server(f"serve-{name}", args, env) as srv:
+            ok = srv.wait_ready(300)
+            row["start_s"] = round(time.time() - t)
+            log = srv.log()
+            if refuse:
+                err = next(iter(re.findall(r"ConfigError: [^\n]*", log)), None)
+                row.update(refused=not ok, error=err, passed=(not ok) and err is not None
+                           and "SGLANG_EXT_DRAFT_KV_CACHE_DTYPE" in err)
+            elif not ok:
+                row.update(passed=False, log_tail=log[-3000:])
+                print(json.dumps(row, indent=1), flush=True)
+                results[name] = row
+                break
+            else:
+                base = snapshot(srv) if head not in (None, "mha-upstream") else None
+                t = time.time()
+                rows = run_prompts(srv, prompts, logprobs=head is None, max_new=max_new)
+                state.setdefault("outputs", {})[name] = [r["ids"] for r in rows]
+                row["requests_s"] = round(time.time() - t, 1)
+                row["output_tokens"] = sum(len(r["ids"]) for r in rows)
+                log = srv.log()
+                if head is None:
+                    state["reference"] = rows
+                    row["passed"] = True
+                elif head == "mha-upstream":
+                    metas = [r["meta"] for r in rows]
+                    row["vs_target"] = compare(state["reference"], rows)
+                    row["upstream_invariant_failures"] = sum(
+                        1 for m in metas if m.get("spec_verify_ct") and m["completion_tokens"] !=
+                        m.get("spec_accepted_drafts", 0) + m["spec_verify_ct"] + 1)
+                    row["accepted_drafts_per_step"] = (sum(m.get("spec_accepted_drafts", 0) for m in metas) /
+                                                       max(1, sum(m.get("spec_verify_ct", 0) for m in metas)))
+                    row["passed"] = True
+                else:
+                    acc = accounting(rows, srv, log, base)
+                    row.update(acc)
+                    row["pool"] = pool_lines(log, head, env)
+                    if max_new is None:
+                        row["vs_target"] = compare(state["reference"], rows)
+                        up = state.get("outputs", {}).get("upstream-mha-chain")
+                        if up is not None and name == "mha-chain":
+                            row["identical_to_upstream"] = sum(a == b for a, b in zip(up, [r["ids"] for r in rows]))
+                        row["accounting_passed"] = (acc["invariant_failures"] == 0 and acc["all_views_agree"]
+                                                    and row["pool"]["arithmetic_matches"])
+                        row["passed"] = row["accounting_passed"] and row["vs_target"]["other_partings"] == 0
+                    else:
+                        sim = float(env["SGLANG_SIMULATE_ACC_LEN"]) - 1
+                        live = re.findall(r"accepted drafts/step: ([\d.]+) \(no bonus; (\d+) req-steps\)", log)
+                        steps = sum(int(n) for _, n in live)
+                        live_mean = sum(float(a) * int(n) for a, n in live) / steps if steps else 0.0
+                        row["simulated_accepted_drafts"] = sim
+                        row["log_live_accepted_drafts_per_step"] = live_mean
+                        row["passed"] = (abs(acc["accepted_drafts_per_step"] - sim) <= 0.02 * sim
+                                         and acc["invariant_failures"] == 0 and acc["all_views_agree"])
+        row["arm_s"] = round(time.time() - t0)
+        results[name] = row
+        json.dump(state, open(state_path, "w"))
+        brief = {k: v for k, v in row.items() if k not in ("lines",)}
+        print(json.dumps(brief, indent=1), flush=True)
+    summary = {k: v for k, v in state.items() if k not in ("prompts", "reference")}
+    json.dump(summary, open(f"{OUT}/serving.json", "w"), indent=1)
+    os.system(f"mkdir -p {OUT}/state && cp {WORK}/state.json {OUT}/state/ && for h in mha mla; do "
+              f"mkdir -p {OUT}/state/head-$h && cp {WORK}/head-$h/config.json {WORK}/head-$h/model.safetensors "
+              f"{OUT}/state/head-$h/ 2>/dev/null; done")
+    os.system(f"cp {WORK}/train.log {OUT}/ 2>/dev/null; mkdir -p {OUT}/logs; "
+              f"for f in /tmp/gpu-logs/serve-*.log; do tail -c 200000 $f > {OUT}/logs/$(basename $f); done")
+    print("\narm                   acct-ok  identical near-tie other(max gap)  same-as-upstream  invariant-fail  "
+          "views-agree  acc/step  draft B/tok  start_s")
+    for name, r in results.items():
+        v = r.get("vs_target", {})
+        other = f"{v.get('other_partings', '-')}({v.get('other_gaps_max')})" if v else "-"
+        print(f"{name:<22}{str(r.get('accounting_passed', r.get('passed'))):<9}{v.get('identical', '-'):<10}"
+              f"{v.get('near_tie_partings', '-'):<9}{other:<15}{r.get('identical_to_upstream', '-'):<18}"
+              f"{r.get('invariant_failures', r.get('upstream_invariant_failures', '-')):<16}"
+              f"{str(r.get('all_views_agree', '-')):<13}{r.get('accepted_drafts_per_step', 0):<10.3f}"
+              f"{r.get('pool', {}).get('logged', {}).get('draft_bytes_per_token', '-'):<13}{r.get('start_s')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The cost-model policy that drafts fewer steps or none when speculation stops paying
+(sglang_ext.core.adaptive), driven by synthetic step-time and acceptance traces."""
+
+import random
+
+from sglang_ext.core.adaptive import CostModelPolicy
+
+
+def step_ms(k, base=10.0, per_draft=1.0):
+    return (base + per_draft * k) / 1e3
+
+
+def accepted(rng, k, p):
+    """a for a chain of depth k whose drafts are each accepted with probability p (given the previous)."""
+    a = 0
+    while a < k and rng.random() < p:
+        a += 1
+    return a
+
+
+def drive(policy, steps, p, batch=8, base=10.0, per_draft=1.0, seed=0):
+    rng = random.Random(seed)
+    trace = []
+    for _ in range(steps):
+        k = policy.depth
+        d = policy.observe(k, [accepted(rng, k, p) for _ in range(batch)], step_ms(k, base, per_draft))
+        trace.append((k, d))
+    return trace
+
+
+def test_good_draft_keeps_drafting_deep():
+    pol = CostModelPolicy([0, 1, 3], initial=3)
+    trace = drive(pol, 200, p=0.8)
+    assert pol.depth == 3 and all(k == 3 for k, _ in trace)
+
+
+def test_zero_acceptance_stops_drafting_and_says_why():
+    pol = CostModelPolicy([0, 1, 3], initial=3)
+    trace = drive(pol, 40, p=0.0)
+    switch = next(d for _, d in trace if d.changed)
+    assert pol.depth == 0 and switch.depth == 0
+    assert "depth 3 -> 0" in switch.reason and "accepted drafts per step at depth 3: 0.00" in switch.reason
+    assert "k=3: 13.00" in switch.reason  # measured step time, not a constant
+
+
+def test_probes_while_off_and_recovers_when_acceptance_returns():
+    pol = CostModelPolicy([0, 1, 3], initial=3, probe_every=50, probe_len=8)
+    drive(pol, 40, p=0.0)
+    assert pol.depth == 0
+    trace = drive(pol, 200, p=0.0, seed=1)  # probes find nothing: back to 0 each time
+    probes = [d for _, d in trace if d.changed and d.reason.startswith("depth 0 -> 1: probe")]
+    assert len(probes) >= 3 and pol.depth in (0, 1)
+    assert sum(k > 0 for k, _ in trace) <= len(probes) * 9  # speculation ran only while probing
+    drive(pol, 300, p=0.9, seed=2)  # acceptance recovered: the next probe climbs back
+    assert pol.depth == 3
+
+
+def test_large_batch_cost_turns_speculation_off_at_moderate_acceptance():
+    # a draft step costs 80% of a plain step (big batch): 1 accepted draft per step no longer pays
+    pol = CostModelPolicy([0, 1, 3], initial=3)
+    drive(pol, 60, p=0.5, base=10.0, per_draft=8.0)
+    assert pol.depth == 0
+    # the same acceptance with cheap drafts (batch 1) keeps drafting
+    pol = CostModelPolicy([0, 1, 3], initial=3)
+    drive(pol, 60, p=0.5, base=10.0, per_draft=0.5)
+    assert pol.depth >= 1
+
+
+def test_estimates():
+    pol = CostModelPolicy([0, 1, 3, 5], initial=3)
+    for a in [3, 3, 2, 1, 0, 3, 2, 2]:
+        pol.observe(3, [a], 0.013)
+    depth, p = pol.acceptance_at_depth()
+    assert depth == 3 and p == [7 / 8, 6 / 8, 3 / 8]
+    assert pol.expected_accepted(1) == 7 / 8
+    assert abs(pol.expected_accepted(3) - 2.0) < 1e-12
+    # depth 5 extrapolates with the last conditional rate (3/8)/(6/8) = 0.5
+    assert abs(pol.expected_accepted(5) - (2.0 + 3 / 16 + 3 / 32)) < 1e-12
+    assert abs(pol.step_time(0) - 0.013 / 1.45) < 1e-12  # one measured depth: the prior ratio, until measured
+    pol.observe(0, [], 0.010)
+    assert pol.step_time(0) == 0.010 and abs(pol.step_time(5) - 0.015) < 1e-12  # the line through k=0 and k=3

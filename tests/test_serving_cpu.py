@@ -1,0 +1,181 @@
+"""The SGLang adapters on the CPU, as far as SGLang 0.5.17 runs there: acceptance accounting on real
+`Req` objects with the plugin's hooks applied by SGLang's own `load_plugins()`, the decode log
+fields, per-request meta_info fields, MLA head architecture resolution, and startup refusals."""
+
+import json
+import logging
+
+import pytest
+
+from conftest import write_head
+from sglang_ext.conventions import ConfigError
+from sglang_ext.core.accounting import AcceptanceStats, apply_stop_truncation, stop_truncation
+from sglang_ext.serving import acceptance
+
+sglang = pytest.importorskip("sglang")
+from test_plugin import _result, run_py  # noqa: E402
+
+
+def test_stop_truncation_by_hand():
+    # steps accepted 3, 0, 2, 3 drafts; max_new_tokens 10: prefill 1 + 4 + 1 + 3 = 9 emitted, the last step
+    # emits only 1 of its 4 tokens, so its a is 0 and 3 accepted drafts were discarded
+    assert stop_truncation(correct_drafts=8, verify_steps=4, completion_tokens=10, last_step_drafts=3) == 3
+    hist = [1, 0, 1, 2]
+    apply_stop_truncation(hist, 3, 3)
+    assert hist == [2, 0, 1, 1]
+    assert stop_truncation(8, 4, 13, 3) == 0  # nothing cut
+    assert stop_truncation(8, 4, 15, 3) == 0  # more tokens than steps explain (a re-prefilled request): left alone
+    s = AcceptanceStats.from_histogram([2, 0, 1, 1])
+    assert (s.depth, s.accepted_drafts, s.verify_steps, s.emitted_tokens + 1) == (3, 5, 4, 10)
+    assert AcceptanceStats.from_histogram([5, 1], depth=3).histogram_counts == [5, 1, 0, 0]
+    assert s.resized(5).histogram_counts == [2, 0, 1, 1, 0, 0]
+    with pytest.raises(ValueError):
+        s.resized(2)
+
+
+def test_request_fields_follow_the_invariant():
+    # 10 completion tokens over 4 verify steps: 10 - 1 (prefill token) - 4 (one non-draft token per step) = 5
+    f = acceptance.request_fields({}, completion_tokens=10, verify_steps=4, histogram=[2, 0, 1, 1], depth=3)
+    assert f["spec_accepted_drafts_per_step"] == 1.25 and f["spec_tokens_per_step"] == 2.25
+    assert f["spec_draft_acceptance_rate"] == 5 / 12
+    assert f["spec_position_accepted"] == [2, 2, 1]  # steps with a >= 1, 2, 3
+    tree = acceptance.request_fields({}, 10, 4, [2, 0, 1, 1], depth=3)
+    assert tree["spec_draft_acceptance_rate"] == f["spec_draft_acceptance_rate"]  # same denominator for trees
+
+
+def test_decode_log_line_keeps_upstream_fields_and_adds_ours():
+    led = acceptance.ledger()
+    led.take_interval()
+    led.add_live_steps([1, 2, 0, 3])
+    rec = logging.LogRecord("x", logging.INFO, "f", 1, "Decode batch, #running-req: 4, accept len: 2.50, "
+                            "accept rate: 0.50, #queue-req: 0", None, None)
+    acceptance.DecodeLogFields().filter(rec)
+    assert rec.msg.startswith("Decode batch, #running-req: 4, accept len: 2.50")
+    assert "accepted drafts/step: 1.50 (no bonus; 4 req-steps)" in rec.msg
+    assert "per-position P(a>=i): [0.75, 0.50, 0.25]" in rec.msg
+    assert led.take_interval().verify_steps == 0  # the interval restarts after each line
+    other = logging.LogRecord("x", logging.INFO, "f", 1, "Prefill batch, #new-seq: 1", None, None)
+    acceptance.DecodeLogFields().filter(other)
+    assert other.msg == "Prefill batch, #new-seq: 1"
+
+
+REQ = """
+    import json
+    from array import array
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang_ext.serving import acceptance
+
+    def run(steps, max_new, stop=None, tokens=None):
+        sp = SamplingParams(max_new_tokens=max_new, temperature=0, stop_token_ids=stop)
+        sp.normalize(None)
+        r = Req("r", "", array("i", [5, 6, 7]), sp, vocab_size=100)
+        r.output_ids.extend([11]); r.update_finish_state(1)  # the prefill token
+        for k, a in enumerate(steps):
+            if r.finished():
+                break
+            r.spec_verify_ct += 1; r.spec_num_correct_drafts += a; r.update_spec_correct_drafts_histogram(a)
+            run_tokens = (tokens or {}).get(k, [20] * (a + 1))
+            r.output_ids.extend(run_tokens); r.update_finish_state(a + 1)
+        return [r.finished(), len(r.output_ids_through_stop), r.spec_num_correct_drafts, r.spec_verify_ct,
+                list(r.spec_correct_drafts_histogram)]
+
+    out = {"length": run([3, 0, 2, 3], 10),
+           "eos": run([3, 3], 50, stop=[99], tokens={1: [20, 99, 20, 20]}),
+           "exact": run([3, 3], 9)}
+    out["ledger"] = acceptance.ledger().to_dict()
+    print("RESULT" + json.dumps(out))
+"""
+
+
+def test_real_requests_that_stop_inside_an_accepted_run():
+    r = _result(run_py(REQ, SGLANG_PLUGINS="sglang_eagle3_mla"))
+    # max_new_tokens cuts the 4th step after 1 of its 4 tokens: its a is 0 (was 3)
+    assert r["length"] == [True, 10, 5, 4, [2, 0, 1, 1]]
+    # EOS (stop id 99) is the 2nd token of the 2nd step's run: that step emitted 2 tokens, a = 1
+    assert r["eos"] == [True, 7, 4, 2, [0, 1, 0, 1]]
+    # a run that ends exactly at max_new_tokens is not cut
+    assert r["exact"] == [True, 9, 6, 2, [0, 0, 0, 2]]
+    for _, completion, accepted, steps, _ in (r["length"], r["eos"], r["exact"]):
+        assert completion == accepted + steps + 1  # the invariant, per request
+    led = r["ledger"]
+    assert led["finished_requests"] == 3 and led["accepted_drafts"] == 5 + 4 + 6 and led["verify_steps"] == 8
+    assert led["discarded_drafts"] == 3 + 2
+    assert led["histogram_counts"] == [2, 1, 1, 4]
+
+
+ARCH = """
+    import json, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.configs.model_config import AttentionArch, ModelConfig
+    from sglang.srt.model_loader.utils import get_model_architecture
+    out = {}
+    for name, path in json.loads(sys.argv[1]).items():
+        mc = ModelConfig(path, is_draft_model=True)
+        cls, arch = get_model_architecture(mc)
+        out[name] = [mc.attention_arch == AttentionArch.MLA, getattr(mc, "kv_lora_rank", None), cls.__name__,
+                     mc.hf_config.architectures[0]]
+    print("RESULT" + json.dumps(out))
+"""
+
+
+def test_mla_head_architectures_resolve_to_our_class_and_mla_shapes(tmp_path):
+    heads = {
+        "v2-name": write_head(tmp_path / "a", "mla", hidden=64, target_hidden=64, vocab=100, draft_vocab=None),
+        "v3-name": write_head(tmp_path / "b", "mla", hidden=64, target_hidden=64, vocab=100, draft_vocab=None,
+                              arch="Eagle3DeepseekV3ForCausalLM"),
+        "mha": write_head(tmp_path / "c", "mha", hidden=64, target_hidden=64, vocab=100, draft_vocab=None),
+    }
+    code = ARCH.replace("json.loads(sys.argv[1])", f"json.loads({json.dumps(json.dumps(heads))})")
+    r = _result(run_py(code, SGLANG_PLUGINS="sglang_eagle3_mla"))
+    assert r["v2-name"] == [True, 32, "Eagle3MLAHeadForCausalLM", "Eagle3DeepseekV2ForCausalLM"]
+    # a name upstream does not list is still MLA (latent KV pool) and keeps its name in the config
+    assert r["v3-name"] == [True, 32, "Eagle3MLAHeadForCausalLM", "Eagle3DeepseekV3ForCausalLM"]
+    assert r["mha"][0] is False and r["mha"][2] == "LlamaForCausalLMEagle3"
+
+
+def test_startup_refuses_a_bad_pair_before_loading(tmp_path, monkeypatch):
+    from sglang_ext.serving.aux_capture import plan_for_target
+
+    target = {"num_hidden_layers": 8, "hidden_size": 64, "vocab_size": 100, "kv_lora_rank": 32,
+              "qk_rope_head_dim": 8, "num_attention_heads": 4}
+    good = write_head(tmp_path / "good", "mha", hidden=64, target_hidden=64, vocab=100, draft_vocab=None,
+                      ids=[1, 3, 5], convention="output")
+    assert plan_for_target(target, "DeepseekV3ForCausalLM", None, good, None).output_ids == (1, 3, 5)
+    bad = write_head(tmp_path / "bad", "mha", hidden=64, target_hidden=64, vocab=128, draft_vocab=None,
+                     ids=[1, 3, 5], convention="output")
+    with pytest.raises(ConfigError) as e:
+        plan_for_target(target, "DeepseekV3ForCausalLM", None, bad, None)
+    assert e.value.field == "draft.vocab_size" and "100" in e.value.problem
+    monkeypatch.setenv("SGLANG_EXT_DRAFT_KV_CACHE_DTYPE", "fp4")
+    with pytest.raises(ConfigError) as e:
+        plan_for_target(target, "DeepseekV3ForCausalLM", None, good, None)
+    assert e.value.field == "SGLANG_EXT_DRAFT_KV_CACHE_DTYPE"
+
+
+ADAPTIVE = """
+    import json
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
+    from sglang_ext.serving import adaptive
+    params = AdaptiveSpeculativeParams(initial_steps=3, cfg_path=None)
+    out = {"candidates": params.candidate_steps, "start": params.get_steps_for_batch(1)}
+    for step in range(60):  # a draft that never accepts, 8 requests per step, k=3 steps take 13 ms, k=0 10 ms
+        k = params.get_steps_for_batch(8)
+        adaptive.CLOCK.depth, adaptive.CLOCK.seconds = k, (10 + k) / 1e3
+        params.on_verify_complete([0] * 8, batch_size=8)
+    out["after_zero_acceptance"] = [params.get_steps_for_batch(8), params.get_steps_for_batch(1)]
+    print("RESULT" + json.dumps(out))
+"""
+
+
+def test_adaptive_cost_policy_inside_sglangs_adaptive_controller():
+    r = _result(run_py(ADAPTIVE, SGLANG_PLUGINS="sglang_eagle3_mla", SGLANG_EXT_ADAPTIVE_POLICY="cost"))
+    assert r["candidates"] == [0, 1, 3] and r["start"] == 3  # our default offers 0 at every batch size
+    assert r["after_zero_acceptance"] == [0, 3]  # batch 8 stopped drafting; batch 1 saw no steps yet
+    r = _result(run_py(ADAPTIVE, SGLANG_PLUGINS="sglang_eagle3_mla"))  # without the variable: upstream's policy
+    assert r["candidates"] == [0, 1, 3, 7]
