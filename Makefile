@@ -10,7 +10,7 @@ DATA    ?=
 LIMIT   ?= 30
 EVAL_OUT ?= out/eval-gsm8k
 
-.PHONY: install test test-fast serve inspect train-draft eval-gsm8k bench gpu-prepare
+.PHONY: install test test-fast serve inspect train-draft scale-target eval-gsm8k bench gpu-prepare
 
 install:  ## create .venv and install the package with SGLang 0.5.17 and the test tools
 	python3 -m venv .venv
@@ -39,6 +39,9 @@ eval-gsm8k:  ## GSM8K accuracy + acceptance, spec vs no spec (reference decoder;
 	$(PY) -m eval.gsm8k --compare --limit $(LIMIT) --out $(EVAL_OUT) \
 	  $(if $(BASE_URL),--base-url $(BASE_URL) --compare-base-url $(NOSPEC_URL),--target $(TARGET) --draft $(DRAFT)) \
 	  $(EVAL_ARGS)
+
+scale-target:  ## a DeepseekV3 (MLA) imitation of SmolLM2-135M-Instruct, distilled offline (GPU: minutes): OUT=out/scale-target
+	$(PY) -m training.scale_target --out $(or $(OUT),out/scale-target) $(SCALE_ARGS)
 
 bench:  ## serving benchmark, spec vs no spec: make bench BASE_URL=... NOSPEC_URL=... TOKENIZER=...
 	$(PY) -m eval.bench --base-url $(BASE_URL) $(if $(NOSPEC_URL),--nospec-url $(NOSPEC_URL)) \

@@ -99,7 +99,7 @@ def train_heads() -> subprocess.Popen | None:
         mla = (f"rm -rf {WORK}/train/checkpoint && {sys.executable} -m training.train_draft {common} "
                f"--data messages:{WORK}/train.jsonl:300 --epochs 3 --draft-format mla --out {WORK}/head-mla "
                f"--head-override q_lora_rank=null")
-        cmds.append(f"( {mla} || {mla} --precision fp32 )")  # the trainer stops at the first non-finite loss
+        cmds.append(f"( ( {mla} ) || ( {mla} --precision fp32 ) )")  # the trainer stops at a non-finite loss
     if not cmds:
         return None
     return subprocess.Popen(" && ".join(cmds), shell=True, stdout=open(f"{WORK}/train.log", "a"),
