@@ -85,6 +85,12 @@ def test_data_normalisation_counts_malformed_rows(tmp_path):
                  + "\n{broken\n")
     rep = D.LoadReport()
     assert len(D.load_source(f"messages:{m}", rep)) == 1 and rep.malformed == 1
+    import gzip
+
+    mz = tmp_path / "m.jsonl.gz"
+    mz.write_bytes(gzip.compress(m.read_bytes()))
+    rep = D.LoadReport()
+    assert len(D.load_source(f"messages:{mz}", rep)) == 1 and rep.malformed == 1  # gzip-compressed JSONL
     with pytest.raises(ValueError, match="kind"):
         D.load_source("csv:x")
 

@@ -87,7 +87,10 @@ def iter_json_array(text: str) -> Iterator[object]:
 
 
 def _rows_from_file(path: str, report: LoadReport) -> Iterator[object]:
-    with open(path, encoding="utf-8") as f:
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open  # a JSON/JSONL file, optionally gzip-compressed
+    with opener(path, "rt", encoding="utf-8") as f:
         head = f.read(1)
         f.seek(0)
         if head == "[":

@@ -32,8 +32,13 @@ from serverlib import Server  # noqa: E402
 from sglang_ext.conventions import load_json, parse_draft, parse_target  # noqa: E402
 from sglang_ext.draft_schema import draft_kv_bytes_per_token, target_kv_bytes_per_token  # noqa: E402
 
-WORK = "/tmp/servecheck"
+WORK = os.environ.get("GPU_CHECK_WORK", "/tmp/servecheck")
 OUT = os.environ.get("OUT", "/tmp")
+# another target (e.g. the MLA scale target, built by tests/gpu/check_scale_target.py): prompts are GSM8K
+# test questions and the heads train on staged ShareGPT (.gpu-state/data, tests/gpu/stage_data.py)
+EXTERNAL_TARGET = os.environ.get("GPU_CHECK_TARGET")
+DATA = os.environ.get("GPU_DATA", os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), ".gpu-state", "data"))
 N_PROMPTS = int(os.environ.get("N_PROMPTS", "200"))
 CONCURRENCY = 64
 CHAIN = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
@@ -56,7 +61,24 @@ WORDS = ["the", "a", "of", "and", "to", "is", "in", "number", "answer", "apples"
          "how", "many", "total", "each", "has"]
 
 
+def build_external():
+    from transformers import AutoTokenizer
+
+    if not os.path.exists(f"{WORK}/target"):
+        os.symlink(os.path.abspath(EXTERNAL_TARGET), f"{WORK}/target")
+    tok = AutoTokenizer.from_pretrained(f"{WORK}/target")
+    rows = [json.loads(line) for line in open(f"{DATA}/gsm8k-test.jsonl")]
+    prompts = []
+    for r in rows[-N_PROMPTS:]:  # the last rows: the heads' held-out acceptance uses the first ones
+        ids = tok.apply_chat_template([{"role": "user", "content": r["question"]}], add_generation_prompt=True,
+                                      tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts
+
+
 def build():
+    if EXTERNAL_TARGET:
+        return build_external()
     from sglang_ext.core import tiny
 
     cfg = tiny.deepseek_v3_config(num_layers=8, moe_layers=1, hidden=512, heads=8, vocab=512, q_lora_rank=256,
@@ -91,14 +113,22 @@ def train_heads() -> subprocess.Popen | None:
     common = (f"--target {WORK}/target --work {WORK}/train --eval-data {WORK}/heldout.jsonl --eval-prompts 8 "
               f"--eval-max-new-tokens 48 --max-new-tokens 96 --draft-vocab-size 384 --lr 3e-3 --ttt-steps 4 "
               f"--device cuda")
+    mha_data, mla_data = f"messages:{WORK}/train.jsonl --epochs 6", f"messages:{WORK}/train.jsonl:300 --epochs 3"
+    mla_extra = "--head-override q_lora_rank=null"
+    if EXTERNAL_TARGET:  # a real chat target: real chat data, the GPU defaults (TTT 7), a larger draft vocabulary
+        common = (f"--target {WORK}/target --work {WORK}/train --eval-data {DATA}/gsm8k-test.jsonl --eval-prompts 16 "
+                  f"--max-new-tokens 256 --draft-vocab-size 16384 --lr 1e-3 --device cuda "
+                  + os.environ.get("GPU_CHECK_TRAIN_ARGS", ""))
+        n = os.environ.get("GPU_CHECK_TRAIN_CONVS", "1200")
+        mha_data = mla_data = f"messages:{DATA}/sharegpt.jsonl.gz:{n} --epochs 3"
+        mla_extra = ""
     cmds = []
     if not os.path.exists(f"{WORK}/head-mha/model.safetensors"):
-        cmds.append(f"{sys.executable} -m training.train_draft {common} --data messages:{WORK}/train.jsonl "
-                    f"--epochs 6 --draft-format mha --out {WORK}/head-mha")
+        cmds.append(f"{sys.executable} -m training.train_draft {common} --data {mha_data} --draft-format mha "
+                    f"--out {WORK}/head-mha")
     if not os.path.exists(f"{WORK}/head-mla/model.safetensors"):
         mla = (f"rm -rf {WORK}/train/checkpoint && {sys.executable} -m training.train_draft {common} "
-               f"--data messages:{WORK}/train.jsonl:300 --epochs 3 --draft-format mla --out {WORK}/head-mla "
-               f"--head-override q_lora_rank=null")
+               f"--data {mla_data} --draft-format mla --out {WORK}/head-mla {mla_extra}")
         cmds.append(f"( ( {mla} ) || ( {mla} --precision fp32 ) )")  # the trainer stops at a non-finite loss
     if not cmds:
         return None
@@ -277,8 +307,9 @@ def pool_lines(log: str, head: str, env: dict) -> dict:
     target = parse_target(load_json(f"{WORK}/target"))
     draft = parse_draft(load_json(f"{WORK}/head-{head}"))
     dtype = "fp8_e4m3" if env.get("SGLANG_EXT_DRAFT_KV_CACHE_DTYPE") == "fp8_e4m3" else "bf16"
-    expect = {"target_bytes_per_token": target_kv_bytes_per_token(target, "bf16"),
-              "draft_bytes_per_token": draft_kv_bytes_per_token(draft, dtype)}
+    tp = int(os.environ.get("GPU_CHECK_TP", "1"))  # per rank: MHA heads shard their KV heads
+    expect = {"target_bytes_per_token": target_kv_bytes_per_token(target, "bf16", tp),
+              "draft_bytes_per_token": draft_kv_bytes_per_token(draft, dtype, tp)}
     got = {}
     m = re.search(r"KV bytes/token per rank: target (\d+) .*?, draft (\d+)", log)
     if m:
@@ -334,6 +365,7 @@ def main():
             os.system(f"cp -n {WORK}/target/tokenizer*.json {WORK}/target/chat_template.jinja {WORK}/head-{head}/ "
                       "2>/dev/null")
         args = ["--model-path", f"{WORK}/target", "--enable-metrics", "--decode-log-interval", "1",
+                "--tp-size", os.environ.get("GPU_CHECK_TP", "1"),
                 "--max-running-requests", "64", "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32", "64"]
         if head is not None:
             args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", f"{WORK}/head-{head}",
