@@ -357,10 +357,11 @@ class Eagle3Head(nn.Module):
                 name = name[len("model."):] if name.startswith("model.") else name
             mapped[name] = t
         own = self.state_dict()
-        optional = {"embed_tokens.weight"} | ({"lm_head.weight"} if self.config.tie_word_embeddings
-                                              or self.config.draft_vocab_size is None else set())
+        # t2d is redundant with d2t (SGLang and vLLM ignore it): rebuilt below when absent
+        optional = {"embed_tokens.weight", "t2d"} | ({"lm_head.weight"} if self.config.tie_word_embeddings
+                                                     or self.config.draft_vocab_size is None else set())
         if not self.config.has_vocab_mapping:
-            optional |= {"d2t", "t2d"}
+            optional |= {"d2t"}
         missing = sorted(k for k in own if k not in mapped and k not in optional)
         unexpected = sorted(k for k in mapped if k not in own)
         if strict and (missing or unexpected):
@@ -374,6 +375,8 @@ class Eagle3Head(nn.Module):
                         raise ConfigError(k, list(t.shape), f"shape differs from the config's {list(own[k].shape)}",
                                           "check hidden sizes, heads and ranks in config.json")
                     own[k].copy_(t)
+            if "d2t" in mapped and "t2d" not in mapped and self.config.has_vocab_mapping:
+                self.t2d.zero_().index_fill_(0, self.d2t + torch.arange(self.d2t.numel()), True)
         return unexpected
 
     def save_pretrained(self, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -1,0 +1,379 @@
+"""`python -m eval.spec_bench`: speculation speedup on a Kimi-K2.5-shaped target against upstream SGLang
+EAGLE3 and against the physical bound, side by side in one run (one GPU).
+
+1. `build`: a DeepseekV3 target with Kimi-K2.5's per-layer shapes (hidden 7168, 64 MLA heads,
+   q_lora 1536, kv_lora 512, qk_nope 128, qk_rope 64, v 128, dense MLP 18432, vocab 163840; `--layers`
+   of them) served with `--load-format dummy` (no weight files), and ~1B-parameter random Eagle3 heads
+   of the matching size in the MHA and the MLA layout (weights written on the GPU machine from
+   `draft_schema.expected_weights`, so names and shapes are what SGLang loads). Chat prompts come from
+   a small ChatML tokenizer saved with the target.
+2. Arms, one server at a time (`ARMS`): no speculation; upstream EAGLE3 (plugin excluded with
+   `SGLANG_PLUGINS`); the plugin with chain, with an MLA head, with tree drafting, with fp8 draft KV
+   -- all at the same synthetic acceptance (`SGLANG_SIMULATE_ACC_LEN`, default 3.0 tokens per step =
+   2 accepted drafts); and a draft that never accepts (random head, no simulation) without and with
+   the cost-model protection (`--speculative-adaptive`, `SGLANG_EXT_ADAPTIVE_POLICY=cost`).
+3. Each arm: output tokens/s and TPOT at each concurrency (fixed input and output lengths,
+   chat-formatted, `ignore_eos`), `--repeats` times; the server's KV pool lines.
+4. `report`: ratios (plugin/upstream, spec/no-spec, achieved/bound with c measured from the
+   zero-acceptance arm at concurrency 1: TPOT_zero = TPOT_nospec x (1 + k c)), min-max over repeats,
+   fp8 vs bf16 draft pool tokens and max running requests; writes benchmarks.md, report.json and a PNG.
+
+Resumable: results accumulate in WORK/state.json, so the arms can be spread over several calls.
+
+    python -m eval.spec_bench build
+    python -m eval.spec_bench run ARM [ARM ...]
+    python -m eval.spec_bench report --out docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+WORK = os.environ.get("SPEC_BENCH_WORK", "/tmp/specbench")
+KIMI = dict(hidden_size=7168, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+            qk_rope_head_dim=64, v_head_dim=128, intermediate_size=18432, vocab_size=163840)
+STEPS = 3
+CHAIN = ["--speculative-num-steps", str(STEPS), "--speculative-eagle-topk", "1",
+         "--speculative-num-draft-tokens", str(STEPS + 1)]
+TREE = ["--speculative-num-steps", str(STEPS), "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"]
+SIM = "SGLANG_SIMULATE_ACC_LEN"
+# name: (head or None, drafting args, env, simulated)
+ARMS = {
+    "nospec": (None, [], {}, False),
+    "upstream-chain": ("mha-upstream", CHAIN, {"SGLANG_PLUGINS": "none"}, True),
+    "plugin-chain": ("mha", CHAIN, {}, True),
+    "plugin-mla-chain": ("mla", CHAIN, {}, True),
+    "plugin-tree": ("mha", TREE, {}, True),
+    "plugin-fp8": ("mha", CHAIN, {"SGLANG_EXT_DRAFT_KV_CACHE_DTYPE": "fp8_e4m3"}, True),
+    "zero-accept": ("mha", CHAIN, {}, False),
+    "zero-accept-protected": ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"},
+                              False),
+}
+
+
+# ------------------------------------------------------------------------------------ build
+def target_config(layers: int) -> dict:
+    return dict(KIMI, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_hidden_layers=layers,
+                num_key_value_heads=KIMI["num_attention_heads"], first_k_dense_replace=layers, moe_layer_freq=1,
+                n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=2048,
+                n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5,
+                norm_topk_prob=True, num_nextn_predict_layers=0, ep_size=1, hidden_act="silu", rms_norm_eps=1e-6,
+                max_position_embeddings=8192, rope_theta=50000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+                bos_token_id=0, eos_token_id=2, pad_token_id=0, attention_bias=False)
+
+
+def head_config(fmt: str, layers: int, draft_vocab: int = 32000) -> dict:
+    from sglang_ext.conventions import default_output_ids
+
+    cfg = dict(hidden_size=KIMI["hidden_size"], intermediate_size=KIMI["intermediate_size"],
+               num_attention_heads=KIMI["num_attention_heads"], vocab_size=KIMI["vocab_size"],
+               draft_vocab_size=draft_vocab, target_hidden_size=KIMI["hidden_size"], num_hidden_layers=1,
+               rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=8192, hidden_act="silu",
+               tie_word_embeddings=False, torch_dtype="bfloat16",
+               eagle_config={"use_aux_hidden_state": True, "aux_layer_convention": "output",
+                             "eagle_aux_hidden_state_layer_ids": default_output_ids(layers)})
+    if fmt == "mha":
+        cfg.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_key_value_heads=8, head_dim=128)
+    else:
+        cfg.update({k: KIMI[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                         "v_head_dim")},
+                   architectures=["Eagle3DeepseekV2ForCausalLM"], model_type="deepseek_v3",
+                   num_key_value_heads=KIMI["num_attention_heads"], first_k_dense_replace=1, moe_layer_freq=1,
+                   num_nextn_predict_layers=0, moe_intermediate_size=KIMI["intermediate_size"])
+    return cfg
+
+
+def write_head(out_dir: str, cfg: dict, fmt: str, device: str = "cuda", std: float = 0.02, seed: int = 0) -> int:
+    """Random weights for every tensor SGLang's loader expects (draft_schema.expected_weights)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sglang_ext.draft_schema import expected_weights
+
+    required, _ = expected_weights(cfg, fmt)
+    g = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, shape in required.items():
+        if name == "d2t":
+            tensors[name] = torch.zeros(shape, dtype=torch.int64)  # draft id i = target id i
+        elif name.endswith("norm.weight") or "layernorm" in name or "norm." in name:
+            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            tensors[name] = (torch.randn(shape, generator=g, device=device) * std).to(torch.bfloat16).cpu()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    json.dump(cfg, open(os.path.join(out_dir, "config.json"), "w"), indent=1)
+    return sum(t.numel() for t in tensors.values())
+
+
+def upstream_copy(src: str, dst: str, layers: int) -> None:
+    """The MHA head with its ids in upstream's reading (undeclared, SGLang convention)."""
+    import shutil
+
+    from sglang_ext.conventions import from_output_ids
+
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    cfg = json.load(open(os.path.join(dst, "config.json")))
+    eagle = cfg["eagle_config"]
+    eagle["eagle_aux_hidden_state_layer_ids"] = from_output_ids(eagle["eagle_aux_hidden_state_layer_ids"], "sglang")
+    eagle.pop("aux_layer_convention", None)
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=1)
+
+
+def build(layers: int, device: str = "cuda") -> dict:
+    from sglang_ext.core import tiny
+
+    t = time.time()
+    os.makedirs(f"{WORK}/target", exist_ok=True)
+    json.dump(target_config(layers), open(f"{WORK}/target/config.json", "w"), indent=1)
+    tok = tiny.train_tokenizer(512)
+    tok.save_pretrained(f"{WORK}/target")
+    json.dump({"eos_token_id": tok.eos_token_id, "do_sample": False}, open(f"{WORK}/target/generation_config.json", "w"))
+    params = {}
+    for fmt in ("mha", "mla"):
+        params[fmt] = write_head(f"{WORK}/head-{fmt}", head_config(fmt, layers), fmt, device)
+        tok.save_pretrained(f"{WORK}/head-{fmt}")
+    upstream_copy(f"{WORK}/head-mha", f"{WORK}/head-mha-upstream", layers)
+    return {"layers": layers, "head_params": params, "build_s": time.time() - t}
+
+
+# --------------------------------------------------------------------------------- measure
+def prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
+    """Chat-formatted prompts of `input_len` tokens (the tiny ChatML tokenizer saved with the target)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(f"{WORK}/target")
+    rng = random.Random(seed)
+    words = ["the", "number", "of", "apples", "is", "what", "total", "cost", "each", "has", "many", "how"]
+    out = []
+    for _ in range(n):
+        text = " ".join(rng.choice(words) for _ in range(input_len))
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        head, tail = ids[:4], ids[-6:]
+        body = ids[4:-6][: max(0, input_len - len(head) - len(tail))]
+        out.append(tok.decode(head + body + tail))
+    return out
+
+
+def server_args(arm: str, max_bs: int, mem_fraction: float) -> tuple[list[str], dict]:
+    head, drafting, env, simulated = ARMS[arm]
+    bs = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b <= max_bs]
+    args = ["--model-path", f"{WORK}/target", "--load-format", "dummy", "--attention-backend", "triton",
+            "--mem-fraction-static", str(mem_fraction), "--max-running-requests", str(max_bs),
+            "--cuda-graph-bs-decode", *map(str, bs), "--disable-prefill-cuda-graph"]
+    if head is not None:
+        args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", f"{WORK}/head-{head}",
+                 *drafting]
+    env = dict(env)
+    if simulated:
+        env[SIM] = os.environ.get("SPEC_BENCH_SIM", "3.0")
+    return args, env
+
+
+def pool_facts(log: str) -> dict:
+    out = {}
+    m = re.search(r"draft KV pool allocated: (\d+) tokens, ([\d.]+) GiB, (\d+) B/token", log)
+    if m:
+        out.update(draft_pool_tokens=int(m.group(1)), draft_pool_gib=float(m.group(2)),
+                   draft_bytes_per_token=int(m.group(3)))
+    m = re.search(r"max_total_num_tokens=(\d+)", log)
+    if m:
+        out["max_total_num_tokens"] = int(m.group(1))
+    m = re.search(r"max_running_requests=(\d+)", log)
+    if m:
+        out["max_running_requests"] = int(m.group(1))
+    return out
+
+
+def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_len: int, max_bs: int,
+            mem_fraction: float, port: int) -> dict:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "gpu"))
+    os.environ["GPU_CHECK_PORT"] = str(port)
+    from serverlib import Server
+
+    from eval.bench import run_arm as measure
+
+    args, env = server_args(arm, max_bs, mem_fraction)
+    row = {"arm": arm, "args": args, "env": env, "levels": {}}
+    with Server(f"bench-{arm}", args, env) as srv:
+        if not srv.wait_ready(420):
+            row["error"] = srv.log()[-3000:]
+            return row
+        row["start_s"] = srv.ready_s
+        for c in levels:
+            n = max(4, 2 * c)
+            ps = prompts(n, input_len, seed=c)
+            runs = [measure(srv.url, ps, c, [output_len] * n) for _ in range(repeats)]
+            row["levels"][str(c)] = runs
+            tps = [r["output_tokens_per_s"] for r in runs]
+            print(f"[bench] {arm} c={c}: {statistics.mean(tps):.1f} tok/s (min {min(tps):.1f}, max {max(tps):.1f}), "
+                  f"TPOT {1e3 * statistics.mean(r['tpot_mean_s'] for r in runs):.2f} ms, accepted drafts/step "
+                  f"{runs[-1]['accepted_drafts_per_step']}", flush=True)
+        row["pool"] = pool_facts(srv.log())
+    return row
+
+
+# ---------------------------------------------------------------------------------- report
+def mean_tps(row: dict, c: str) -> float | None:
+    runs = row.get("levels", {}).get(c)
+    return statistics.mean(r["output_tokens_per_s"] for r in runs) if runs else None
+
+
+def spread(row: dict, c: str) -> tuple[float, float] | None:
+    runs = row.get("levels", {}).get(c)
+    return (min(r["output_tokens_per_s"] for r in runs), max(r["output_tokens_per_s"] for r in runs)) if runs else None
+
+
+def draft_cost_ratio(nospec_tpot: float, zero_tpot: float, steps: int = STEPS) -> float:
+    """c from TPOT at zero acceptance: one token per step costs a target step plus k draft steps."""
+    return max(0.0, (zero_tpot / nospec_tpot - 1.0) / steps)
+
+
+def speedup_bound(accepted: float, c: float, steps: int = STEPS) -> float:
+    """Chain drafting with k steps: speedup <= (1 + a) / (1 + k c)."""
+    return (1.0 + accepted) / (1.0 + steps * c)
+
+
+def ratio_rows(state: dict) -> list[dict]:
+    arms = state.get("arms", {})
+    levels = sorted({int(c) for r in arms.values() for c in r.get("levels", {})})
+    rows = []
+    for c in map(str, levels):
+        def r(a, b):
+            x, y = mean_tps(arms.get(a, {}), c), mean_tps(arms.get(b, {}), c)
+            return x / y if x and y else None
+
+        def band(a, b):
+            x, y = spread(arms.get(a, {}), c), spread(arms.get(b, {}), c)
+            return (x[0] / y[1], x[1] / y[0]) if x and y else None
+
+        rows.append({"concurrency": int(c), "plugin/upstream": r("plugin-chain", "upstream-chain"),
+                     "plugin/upstream band": band("plugin-chain", "upstream-chain"),
+                     "chain/nospec": r("plugin-chain", "nospec"), "mla/nospec": r("plugin-mla-chain", "nospec"),
+                     "tree/nospec": r("plugin-tree", "nospec"), "fp8/nospec": r("plugin-fp8", "nospec"),
+                     "zero/nospec": r("zero-accept", "nospec"),
+                     "zero-protected/nospec": r("zero-accept-protected", "nospec")})
+    return rows
+
+
+def report(out_md: str) -> dict:
+    state = json.load(open(f"{WORK}/state.json"))
+    arms = state.get("arms", {})
+    rows = ratio_rows(state)
+    bound = None
+    no, zero, chain = arms.get("nospec"), arms.get("zero-accept"), arms.get("plugin-chain")
+    if no and zero and chain and "1" in no.get("levels", {}) and "1" in zero.get("levels", {}):
+        t_no = statistics.mean(r["tpot_mean_s"] for r in no["levels"]["1"])
+        t_zero = statistics.mean(r["tpot_mean_s"] for r in zero["levels"]["1"])
+        c = draft_cost_ratio(t_no, t_zero)
+        a = chain["levels"]["1"][-1]["accepted_drafts_per_step"] or 0.0
+        achieved = mean_tps(chain, "1") / mean_tps(no, "1")
+        bound = {"c": c, "accepted_drafts_per_step": a, "bound": speedup_bound(a, c), "achieved": achieved,
+                 "achieved/bound": achieved / speedup_bound(a, c)}
+    fmt = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
+    lines = ["# Benchmarks: Eagle3 on a Kimi-K2.5-shaped target (one H200)", "",
+             f"Generated by `python -m eval.spec_bench report` on {datetime.date.today()} from {WORK}/state.json; "
+             f"build: {json.dumps(state.get('build', {}))}.", "",
+             "| concurrency | plugin/upstream (min-max) | chain/no-spec | MLA head/no-spec | tree/no-spec | "
+             "fp8 draft KV/no-spec | zero acceptance/no-spec | zero acceptance, protected/no-spec |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = r["plugin/upstream band"]
+        lines.append(f"| {r['concurrency']} | {fmt(r['plugin/upstream'])}"
+                     f"{'' if not b else f' ({b[0]:.3f}-{b[1]:.3f})'} | {fmt(r['chain/nospec'])} | "
+                     f"{fmt(r['mla/nospec'])} | {fmt(r['tree/nospec'])} | {fmt(r['fp8/nospec'])} | "
+                     f"{fmt(r['zero/nospec'])} | {fmt(r['zero-protected/nospec'])} |")
+    if bound:
+        lines += ["", f"Batch 1: measured draft/target step-cost ratio c = {bound['c']:.3f}; accepted drafts per "
+                      f"step {bound['accepted_drafts_per_step']:.2f}; bound (1 + a)/(1 + k c) = {bound['bound']:.3f}; "
+                      f"achieved {bound['achieved']:.3f} = {bound['achieved/bound']:.2f} of the bound."]
+    pools = {k: v.get("pool") for k, v in arms.items() if v.get("pool")}
+    if pools:
+        lines += ["", "| arm | draft B/token | draft pool tokens | draft pool GiB | max running requests |",
+                  "|---|---|---|---|---|"]
+        for k, p in pools.items():
+            lines.append(f"| {k} | {p.get('draft_bytes_per_token', '—')} | {p.get('draft_pool_tokens', '—')} | "
+                         f"{p.get('draft_pool_gib', '—')} | {p.get('max_running_requests', '—')} |")
+    lines += ["", "Commands: `python -m eval.spec_bench build`, `python -m eval.spec_bench run <arms>`, "
+                  "`python -m eval.spec_bench report` (docs/benchmarks.md explains the arms)."]
+    os.makedirs(os.path.dirname(os.path.abspath(out_md)), exist_ok=True)
+    open(out_md, "w").write("\n".join(lines) + "\n")
+    _plot(state, os.path.splitext(out_md)[0] + ".png")
+    return {"rows": rows, "bound": bound}
+
+
+def _plot(state: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm, row in state.get("arms", {}).items():
+        xs = sorted(int(c) for c in row.get("levels", {}))
+        if xs:
+            ax.plot(xs, [mean_tps(row, str(c)) for c in xs], marker="o", label=arm)
+    ax.set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="Kimi-K2.5-shaped target, one H200")
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eval.spec_bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("--layers", type=int, default=16)
+    r = sub.add_parser("run")
+    r.add_argument("arms", nargs="+", choices=list(ARMS))
+    r.add_argument("--concurrency", default="1,8,32,64,128")
+    r.add_argument("--repeats", type=int, default=2)
+    r.add_argument("--input-len", type=int, default=256)
+    r.add_argument("--output-len", type=int, default=256)
+    r.add_argument("--max-bs", type=int, default=128)
+    r.add_argument("--mem-fraction-static", type=float, default=0.8)
+    r.add_argument("--port", type=int, default=30177)
+    r.add_argument("--deadline-s", type=float, default=1e9, help="start no arm after this many seconds")
+    rp = sub.add_parser("report")
+    rp.add_argument("--out", default="docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    state_path = f"{WORK}/state.json"
+    state = json.load(open(state_path)) if os.path.exists(state_path) else {}
+    if args.cmd == "build":
+        state["build"] = build(args.layers)
+        print(json.dumps(state["build"]))
+    elif args.cmd == "run":
+        t0 = time.time()
+        for arm in args.arms:
+            if time.time() - t0 > args.deadline_s:
+                print(f"[bench] {arm}: not started (deadline)")
+                continue
+            row = run_arm(arm, [int(c) for c in args.concurrency.split(",")], args.repeats, args.input_len,
+                          args.output_len, args.max_bs, args.mem_fraction_static, args.port)
+            state.setdefault("arms", {})[arm] = row
+            json.dump(state, open(state_path, "w"))
+            if "error" in row:
+                print(f"[bench] {arm}: server did not start\n{row['error']}")
+                break
+    else:
+        print(json.dumps(report(args.out), indent=1))
+        return 0
+    os.makedirs(WORK, exist_ok=True)
+    json.dump(state, open(state_path, "w"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

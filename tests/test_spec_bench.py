@@ -1,0 +1,81 @@
+"""The GPU benchmark's CPU-checkable parts (eval/spec_bench.py): the bound and the measured draft cost,
+the Kimi-K2.5-shaped target and heads (checked by the same schema the server enforces), heads written
+from the schema loading back into the core, the arms' server arguments, and the report."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from eval import spec_bench as sb
+from sglang_ext.conventions import parse_draft, parse_target
+from sglang_ext.draft_schema import expected_weights, pair_errors
+
+
+def test_bound_and_cost_ratio_by_hand():
+    assert sb.speedup_bound(2.0, 0.1, steps=3) == pytest.approx(3.0 / 1.3)
+    # TPOT at zero acceptance 1.45x plain decoding with 3 draft steps -> c = 0.15
+    assert sb.draft_cost_ratio(10.0, 14.5, steps=3) == pytest.approx(0.15)
+    assert sb.draft_cost_ratio(10.0, 9.0) == 0.0
+
+
+@pytest.mark.parametrize("fmt", ["mha", "mla"])
+def test_kimi_shaped_heads_pass_the_servers_checks_and_are_about_1b(fmt):
+    target = parse_target(sb.target_config(16))
+    cfg = sb.head_config(fmt, 16)
+    req, _ = expected_weights(cfg, fmt)
+    shapes = {k: {"shape": v, "dtype": "BF16"} for k, v in req.items()}
+    assert pair_errors(target, parse_draft(cfg), shapes) == []
+    params = sum(math.prod(v) for v in req.values())
+    assert 0.85e9 < params < 1.4e9, params  # "1B-parameter heads" (MLA 0.90B, MHA larger)
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 7, 12]
+
+
+def test_written_heads_load_in_the_core(tmp_path):
+    from sglang_ext.core.heads import Eagle3Head
+
+    for fmt in ("mha", "mla"):
+        cfg = sb.head_config(fmt, 8, draft_vocab=64)
+        cfg.update(hidden_size=64, target_hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                   vocab_size=256)
+        if fmt == "mha":
+            cfg.update(num_key_value_heads=2, head_dim=16)
+        else:
+            cfg.update(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+        n = sb.write_head(str(tmp_path / fmt), cfg, fmt, device="cpu")
+        head = Eagle3Head.from_pretrained(str(tmp_path / fmt))
+        assert n > 0 and head.config.head_format == fmt
+        assert torch.equal(head.d2t, torch.zeros(64, dtype=torch.long))
+
+
+def test_arms_server_arguments():
+    args, env = sb.server_args("upstream-chain", 32, 0.8)
+    assert env["SGLANG_PLUGINS"] == "none" and env[sb.SIM] == "3.0" and "--load-format" in args
+    assert args[args.index("--speculative-draft-model-path") + 1].endswith("head-mha-upstream")
+    args, env = sb.server_args("zero-accept-protected", 32, 0.8)
+    assert sb.SIM not in env and "--speculative-adaptive" in args and env["SGLANG_EXT_ADAPTIVE_POLICY"] == "cost"
+    args, env = sb.server_args("nospec", 128, 0.8)
+    assert "--speculative-algorithm" not in args and args[args.index("--disable-prefill-cuda-graph") - 1] == "128"
+
+
+def test_report_from_a_state(tmp_path, monkeypatch):
+    monkeypatch.setattr(sb, "WORK", str(tmp_path))
+
+    def runs(tps, tpot, acc=None):
+        return [{"output_tokens_per_s": t, "tpot_mean_s": tpot, "accepted_drafts_per_step": acc} for t in tps]
+
+    state = {"build": {"layers": 16}, "arms": {
+        "nospec": {"levels": {"1": runs([100, 102], 0.010), "32": runs([3000, 3100], 0.011)}},
+        "upstream-chain": {"levels": {"1": runs([200, 204], 0.005, 2.0), "32": runs([3300, 3300], 0.010, 2.0)}},
+        "plugin-chain": {"levels": {"1": runs([202, 202], 0.005, 2.0), "32": runs([3300, 3340], 0.010, 2.0)},
+                         "pool": {"draft_bytes_per_token": 4096, "draft_pool_tokens": 1000}},
+        "zero-accept": {"levels": {"1": runs([70, 70], 0.0145, 0.0)}}}}
+    json.dump(state, open(tmp_path / "state.json", "w"))
+    out = sb.report(str(tmp_path / "benchmarks.md"))
+    row1 = next(r for r in out["rows"] if r["concurrency"] == 1)
+    assert row1["plugin/upstream"] == pytest.approx(202 / 202)
+    assert out["bound"]["c"] == pytest.approx((0.0145 / 0.010 - 1) / 3)
+    assert out["bound"]["bound"] == pytest.approx(3 / (1 + 3 * out["bound"]["c"]))
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "| 32 | 1.006" in text and "of the bound" in text and (tmp_path / "benchmarks.png").exists()
