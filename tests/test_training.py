@@ -240,3 +240,17 @@ def test_example_config_is_accepted_by_the_cli():
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = parse_args(["--config", os.path.join(here, "training", "configs", "gpu-example.yaml")])
     assert args.draft_format == "mla" and args.ttt_steps == 7 and args.data[0] == "sharegpt:pkg:20000"
+
+
+def test_non_finite_loss_stops_training_before_anything_is_saved(tiny_pair, tmp_path):
+    ext, convs = _records(tiny_pair, n=4)
+    recs = [ext(c) for c in convs]
+    target, _ = tiny_pair
+    lm = target.get_output_embeddings().weight.detach()
+    head = _head(tiny_pair, recs)
+    with torch.no_grad():
+        head.fc.weight.fill_(float("nan"))  # what a diverged bf16 run looks like
+    with pytest.raises(FloatingPointError, match="non-finite TTT loss.*step 0"):
+        train(head, recs, lm, TrainConfig(ttt_steps=2, max_steps=3), checkpoint_dir=str(tmp_path / "ck"),
+              log=lambda *_: None)
+    assert not (tmp_path / "ck" / "trainer.json").exists()
