@@ -254,3 +254,14 @@ def test_non_finite_loss_stops_training_before_anything_is_saved(tiny_pair, tmp_
         train(head, recs, lm, TrainConfig(ttt_steps=2, max_steps=3), checkpoint_dir=str(tmp_path / "ck"),
               log=lambda *_: None)
     assert not (tmp_path / "ck" / "trainer.json").exists()
+
+
+def test_trainer_speed_benchmark_runs_our_side_on_the_cpu(tmp_path):
+    """The GPU comparison with SpecForge (training/bench_vs_specforge.py) measures our step on the
+    same tensors SpecForge gets; SpecForge itself is not a dependency (it pins another SGLang)."""
+    from training import bench_vs_specforge as b
+
+    out = tmp_path / "r.json"
+    assert b.main(["--tiny", "--ours-only", "--seq-len", "64", "--steps", "2", "--ttt", "3", "--json", str(out)]) == 0
+    r = json.load(open(out))["rows"]["ours"]
+    assert len(r["times"]) == 2 and r["tokens_per_s"] > 0
