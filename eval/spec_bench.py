@@ -114,7 +114,7 @@ def write_head(out_dir: str, cfg: dict, fmt: str, device: str = "cuda", std: flo
     return sum(t.numel() for t in tensors.values())
 
 
-def upstream_copy(src: str, dst: str, layers: int) -> None:
+def upstream_copy(src: str, dst: str) -> None:
     """The MHA head with its ids in upstream's reading (undeclared, SGLang convention)."""
     import shutil
 
@@ -142,7 +142,7 @@ def build(layers: int, device: str = "cuda") -> dict:
     for fmt in ("mha", "mla"):
         params[fmt] = write_head(f"{WORK}/head-{fmt}", head_config(fmt, layers), fmt, device)
         tok.save_pretrained(f"{WORK}/head-{fmt}")
-    upstream_copy(f"{WORK}/head-mha", f"{WORK}/head-mha-upstream", layers)
+    upstream_copy(f"{WORK}/head-mha", f"{WORK}/head-mha-upstream")
     return {"layers": layers, "head_params": params, "build_s": time.time() - t}
 
 

@@ -79,3 +79,19 @@ def test_report_from_a_state(tmp_path, monkeypatch):
     assert out["bound"]["bound"] == pytest.approx(3 / (1 + 3 * out["bound"]["c"]))
     text = (tmp_path / "benchmarks.md").read_text()
     assert "| 32 | 1.006" in text and "of the bound" in text and (tmp_path / "benchmarks.png").exists()
+
+
+def test_upstream_copy_reads_the_same_layers_under_both_engines(tmp_path):
+    from sglang_ext.conventions import engine_output_ids
+
+    src = tmp_path / "h"
+    src.mkdir()
+    cfg = sb.head_config("mha", 16)
+    json.dump(cfg, open(src / "config.json", "w"))
+    sb.upstream_copy(str(src), str(tmp_path / "u"))
+    copy = json.load(open(tmp_path / "u" / "config.json"))
+    assert "aux_layer_convention" not in copy["eagle_config"]
+    target = parse_target(sb.target_config(16))
+    ours = engine_output_ids("sglang-ext", target, parse_draft(cfg))
+    assert engine_output_ids("sglang", target, parse_draft(copy)) == ours == [1, 7, 12]
+    assert engine_output_ids("sglang-ext", target, parse_draft(copy)) == ours

@@ -137,20 +137,6 @@ def train_heads() -> subprocess.Popen | None:
                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def upstream_copy_of_mha_head():
-    """The MHA head with its aux ids written the way upstream SGLang reads undeclared ids, so that both
-    servers capture the same target layers (our plugin reads undeclared ids the same way)."""
-    from sglang_ext.conventions import from_output_ids
-
-    src, dst = f"{WORK}/head-mha", f"{WORK}/head-mha-upstream"
-    os.system(f"rm -rf {dst} && cp -r {src} {dst}")
-    cfg = json.load(open(f"{dst}/config.json"))
-    eagle = cfg["eagle_config"]
-    eagle["eagle_aux_hidden_state_layer_ids"] = from_output_ids(eagle["eagle_aux_hidden_state_layer_ids"], "sglang")
-    eagle.pop("aux_layer_convention", None)
-    json.dump(cfg, open(f"{dst}/config.json", "w"), indent=1)
-
-
 def rename_mla_head():
     path = f"{WORK}/head-mla/config.json"
     cfg = json.load(open(path))
@@ -359,8 +345,10 @@ def main():
             trainer = None
         if head == "mla":
             rename_mla_head()
-        if head == "mha-upstream":
-            upstream_copy_of_mha_head()
+        if head == "mha-upstream":  # the same head, its ids written the way upstream reads undeclared ids
+            from eval.spec_bench import upstream_copy
+
+            upstream_copy(f"{WORK}/head-mha", f"{WORK}/head-mha-upstream")
         if head is not None:  # SGLang reads the draft directory's tokenizer files too
             os.system(f"cp -n {WORK}/target/tokenizer*.json {WORK}/target/chat_template.jinja {WORK}/head-{head}/ "
                       "2>/dev/null")
