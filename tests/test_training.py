@@ -265,3 +265,23 @@ def test_trainer_speed_benchmark_runs_our_side_on_the_cpu(tmp_path):
     assert b.main(["--tiny", "--ours-only", "--seq-len", "64", "--steps", "2", "--ttt", "3", "--json", str(out)]) == 0
     r = json.load(open(out))["rows"]["ours"]
     assert len(r["times"]) == 2 and r["tokens_per_s"] > 0
+
+
+def test_decoder_layer_can_start_from_a_target_layer(tiny_pair):
+    from training.trainer import init_layer_from_target
+
+    target, _ = tiny_pair
+    head = Eagle3Head(head_config_for(target.config, "mha", [0, 1, 2]))
+    assert init_layer_from_target(head, target, 2)
+    src = target.model.layers[2]
+    assert torch.equal(head.layer.mlp.down_proj.weight, src.mlp.down_proj.weight)
+    assert torch.equal(head.layer.self_attn.o_proj.weight, src.self_attn.o_proj.weight)
+    h = target.config.hidden_size
+    q = head.layer.self_attn.q_proj.weight
+    assert torch.equal(q[:, :h], 0.5 * src.self_attn.q_proj.weight) and torch.equal(q[:, h:], q[:, :h])
+    aux = torch.randn(5, 3 * h)
+    assert torch.allclose(head.project_aux(aux), aux[:, 2 * h:])  # fc passes the last aux state through
+    mla = Eagle3Head(head_config_for(target.config, "mla", [0, 1, 2]))
+    before = {k: v.clone() for k, v in mla.state_dict().items()}
+    assert not init_layer_from_target(mla, target, 2)  # no MLA source layer in a Llama target: untouched
+    assert all(torch.equal(before[k], v) for k, v in mla.state_dict().items())

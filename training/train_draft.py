@@ -27,7 +27,14 @@ from training import data as data_mod
 from training.chat import prompt_ids, require_chat_template
 from training.features import FeatureExtractor, online, read_shards, write_shards
 from training.regenerate import GenerationOptions, LocalRegenerator, ServerRegenerator
-from training.trainer import TrainConfig, draft_vocabulary, evaluate, init_head_from_target, train
+from training.trainer import (
+    TrainConfig,
+    draft_vocabulary,
+    evaluate,
+    init_head_from_target,
+    init_layer_from_target,
+    train,
+)
 
 SHARED_GSM8K = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
                             "gsm8k")
@@ -47,6 +54,8 @@ def parse_args(argv=None):
                     "messages:FILE[:N], gsm8k:FILE[:N], hf:NAME[:N] (default: ShareGPT 160 + GSM8K-train 160)")
     ap.add_argument("--turns", choices=["first", "all"], default="first")
     ap.add_argument("--draft-format", choices=["mha", "mla"], default="mha")
+    ap.add_argument("--init-layer", type=int, default=None, metavar="N",
+                    help="start the head's decoder layer from target layer N (MHA heads, same head layout)")
     ap.add_argument("--head-override", action="append", default=[], metavar="FIELD=JSON",
                     help="override a head config field derived from the target, e.g. q_lora_rank=null, "
                          "num_attention_heads=16 (repeatable)")
@@ -207,6 +216,10 @@ def main(argv=None) -> int:
     if dv < vocab:
         head.set_vocab_mapping(hot)
     init_head_from_target(head, target)
+    if args.init_layer is not None:
+        ok = init_layer_from_target(head, target, args.init_layer)
+        print(f"[train-draft] decoder layer {'initialised from' if ok else 'NOT initialised (shapes differ) from'} "
+              f"target layer {args.init_layer}")
     head = head.to(device)
     lm_head = target.get_output_embeddings().weight.detach()
     tcfg = TrainConfig(ttt_steps=args.ttt_steps, lr=args.lr, epochs=args.epochs, max_steps=args.max_steps,
