@@ -54,8 +54,9 @@ def parse_args(argv=None):
                     "messages:FILE[:N], gsm8k:FILE[:N], hf:NAME[:N] (default: ShareGPT 160 + GSM8K-train 160)")
     ap.add_argument("--turns", choices=["first", "all"], default="first")
     ap.add_argument("--draft-format", choices=["mha", "mla"], default="mha")
-    ap.add_argument("--init-layer", type=int, default=None, metavar="N",
-                    help="start the head's decoder layer from target layer N (MHA heads, same head layout)")
+    ap.add_argument("--init-layer", default="auto", metavar="N|auto|none",
+                    help="start the head's decoder layer from target layer N (MHA heads with the target's head "
+                         "layout); auto: the layer after the last aux layer; none: random")
     ap.add_argument("--head-override", action="append", default=[], metavar="FIELD=JSON",
                     help="override a head config field derived from the target, e.g. q_lora_rank=null, "
                          "num_attention_heads=16 (repeatable)")
@@ -76,7 +77,7 @@ def parse_args(argv=None):
                     help="draft vocabulary (most frequent assistant tokens); default 32000, 4096 on the CPU")
     ap.add_argument("--aux-layers", help="output ids, e.g. 1,14,26 (default: [1, N//2-1, N-4])")
     ap.add_argument("--ttt-steps", type=int, default=None, help="training-time-test unroll; default 7, 4 on the CPU")
-    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--epochs", type=int, default=7)
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--lr", type=float, default=5e-3, help="peak learning rate (the CPU default's; "
                     "a long GPU run wants ~1e-4 to 5e-4)")
@@ -216,10 +217,11 @@ def main(argv=None) -> int:
     if dv < vocab:
         head.set_vocab_mapping(hot)
     init_head_from_target(head, target)
-    if args.init_layer is not None:
-        ok = init_layer_from_target(head, target, args.init_layer)
-        print(f"[train-draft] decoder layer {'initialised from' if ok else 'NOT initialised (shapes differ) from'} "
-              f"target layer {args.init_layer}")
+    if args.init_layer != "none":
+        layer = min(aux_ids[-1] + 1, n_layers - 1) if args.init_layer == "auto" else int(args.init_layer)
+        ok = init_layer_from_target(head, target, layer)
+        print(f"[train-draft] decoder layer {'initialised from' if ok else 'random (shapes differ from)'} "
+              f"target layer {layer}")
     head = head.to(device)
     lm_head = target.get_output_embeddings().weight.detach()
     tcfg = TrainConfig(ttt_steps=args.ttt_steps, lr=args.lr, epochs=args.epochs, max_steps=args.max_steps,
