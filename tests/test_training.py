@@ -285,3 +285,13 @@ def test_decoder_layer_can_start_from_a_target_layer(tiny_pair):
     before = {k: v.clone() for k, v in mla.state_dict().items()}
     assert not init_layer_from_target(mla, target, 2)  # no MLA source layer in a Llama target: untouched
     assert all(torch.equal(before[k], v) for k, v in mla.state_dict().items())
+    # an MLA head under a DeepSeek target starts from its (dense) MLA layer the same way
+    ds = tiny.build_target(tiny.deepseek_v3_config(num_layers=4, moe_layers=1, hidden=64, heads=4, vocab=400,
+                                                   q_lora_rank=32, kv_lora_rank=32, qk_nope=16, qk_rope=8,
+                                                   v_head=16))
+    mla = Eagle3Head(head_config_for(ds.config, "mla", [0, 1, 2]))
+    assert init_layer_from_target(mla, ds, 1)
+    a, t = mla.layer.self_attn, ds.model.layers[1].self_attn
+    assert torch.equal(a.kv_b_proj.weight, t.kv_b_proj.weight) and torch.equal(a.q_b_proj.weight, t.q_b_proj.weight)
+    assert torch.equal(a.kv_a_proj_with_mqa.weight[:, 64:], 0.5 * t.kv_a_proj_with_mqa.weight)
+    assert not init_layer_from_target(Eagle3Head(head_config_for(ds.config, "mla", [0, 1, 2])), ds, 3)  # MoE

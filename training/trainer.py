@@ -72,31 +72,37 @@ def init_head_from_target(head: Eagle3Head, target) -> None:
 
 @torch.no_grad()
 def init_layer_from_target(head: Eagle3Head, target, layer: int) -> bool:
-    """Start the head's decoder layer from one of the target's (Llama-style, same head layout):
-    attention and MLP weights copied, both halves of the doubled q/k/v input (embedding and hidden)
-    reading through the target's projections at half weight, and fc passing the last aux state
-    through. Returns False (nothing changed) when the shapes do not allow it."""
+    """Start the head's decoder layer from one of the target's when the head has the target's layer
+    layout (MHA head under a Llama-style target, MLA head with the target's MLA dims under a DeepSeek
+    one; the source layer's MLP must be dense): attention and MLP weights copied by name, projections
+    that read the doubled Eagle3 input (embedding, hidden) get the target's weights in both halves at half
+    weight, norms copied, and fc passes the last aux state through. Returns False (nothing changed)
+    when any shape disagrees."""
     layers = getattr(getattr(target, "model", None), "layers", None)
-    if head.config.head_format != "mha" or layers is None or not -len(layers) <= layer < len(layers):
+    if layers is None or not -len(layers) <= layer < len(layers):
         return False
     src, dst = layers[layer], head.layer
     h = head.config.hidden_size
-    attn = getattr(src, "self_attn", None)
-    pairs = [(dst.self_attn.o_proj.weight, getattr(getattr(attn, "o_proj", None), "weight", None))]
-    pairs += [(getattr(dst.mlp, n).weight, getattr(getattr(getattr(src, "mlp", None), n, None), "weight", None))
-              for n in ("gate_proj", "up_proj", "down_proj")]
-    qkv = [(getattr(dst.self_attn, n).weight, getattr(getattr(attn, n, None), "weight", None))
-           for n in ("q_proj", "k_proj", "v_proj")]
-    if any(t is None or a.shape != t.shape for a, t in pairs) or \
-            any(t is None or a.shape != (t.shape[0], 2 * t.shape[1]) for a, t in qkv) or head.config.target_hidden_size != h:
+    if head.config.target_hidden_size != h:
         return False
-    for a, t in pairs:
-        a.copy_(t)
-    for a, t in qkv:
-        a.copy_(torch.cat([0.5 * t, 0.5 * t], dim=1))
-    dst.input_layernorm.weight.copy_(src.input_layernorm.weight)
-    dst.hidden_norm.weight.copy_(src.input_layernorm.weight)
-    dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+    source = dict(src.named_parameters())
+    plan = []
+    for name, p in dst.named_parameters():
+        if name == "hidden_norm.weight":
+            name_src = "input_layernorm.weight"
+        else:
+            name_src = name
+        t = source.get(name_src)
+        if t is None:
+            return False
+        if p.shape == t.shape:
+            plan.append((p, t))
+        elif p.dim() == 2 and p.shape == (t.shape[0], 2 * t.shape[1]):
+            plan.append((p, torch.cat([0.5 * t, 0.5 * t], dim=1)))
+        else:
+            return False
+    for p, t in plan:
+        p.copy_(t)
     fc = head.fc.weight
     fc.zero_()
     fc[:, fc.shape[1] - h:].copy_(torch.eye(h))
