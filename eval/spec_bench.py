@@ -28,7 +28,6 @@ Resumable: results accumulate in WORK/state.json, so the arms can be spread over
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import datetime
 import json
 import os

@@ -20,10 +20,13 @@ def register() -> None:
 
     for target, family in aux_capture.HOOK_TARGETS.items():
         HookRegistry.register(target, aux_capture.make_hook(family), HookType.AROUND)
-    for hooks, kind in ((registry.HOOKS, HookType.AROUND), (kv_pools.HOOKS, HookType.AROUND),
-                        (kv_pools.AFTER_HOOKS, HookType.AFTER), (acceptance.AROUND_HOOKS, HookType.AROUND),
-                        (acceptance.AFTER_HOOKS, HookType.AFTER), (adaptive.AROUND_HOOKS, HookType.AROUND),
-                        (adaptive.BEFORE_HOOKS, HookType.BEFORE), (adaptive.AFTER_HOOKS, HookType.AFTER)):
+    groups = [(registry.HOOKS, HookType.AROUND), (kv_pools.HOOKS, HookType.AROUND),
+              (kv_pools.AFTER_HOOKS, HookType.AFTER), (acceptance.AROUND_HOOKS, HookType.AROUND),
+              (acceptance.AFTER_HOOKS, HookType.AFTER)]
+    if adaptive.requested():  # opt-in: no per-step cost for servers that do not ask for it
+        groups += [(adaptive.AROUND_HOOKS, HookType.AROUND), (adaptive.BEFORE_HOOKS, HookType.BEFORE),
+                   (adaptive.AFTER_HOOKS, HookType.AFTER)]
+    for hooks, kind in groups:
         for target, fn in hooks.items():
             HookRegistry.register(target, fn, kind)
     acceptance.install_log_filter()

@@ -35,11 +35,11 @@ def test_stop_truncation_by_hand():
 
 def test_request_fields_follow_the_invariant():
     # 10 completion tokens over 4 verify steps: 10 - 1 (prefill token) - 4 (one non-draft token per step) = 5
-    f = acceptance.request_fields({}, completion_tokens=10, verify_steps=4, histogram=[2, 0, 1, 1], depth=3)
+    f = acceptance.request_fields(completion_tokens=10, verify_steps=4, histogram=[2, 0, 1, 1], depth=3)
     assert f["spec_accepted_drafts_per_step"] == 1.25 and f["spec_tokens_per_step"] == 2.25
     assert f["spec_draft_acceptance_rate"] == 5 / 12
     assert f["spec_position_accepted"] == [2, 2, 1]  # steps with a >= 1, 2, 3
-    tree = acceptance.request_fields({}, 10, 4, [2, 0, 1, 1], depth=3)
+    tree = acceptance.request_fields(10, 4, [2, 0, 1, 1], depth=3)
     assert tree["spec_draft_acceptance_rate"] == f["spec_draft_acceptance_rate"]  # same denominator for trees
 
 

@@ -151,6 +151,13 @@ def test_feature_shards_round_trip_and_resume(tiny_pair, tmp_path):
         assert a.aux.shape[1] == 3 * 64 and a.loss_mask.sum() > 0
 
 
+def _features_and_lm(tiny_pair, n=4):
+    """Feature records of n conversations and the target's lm_head, the trainer's inputs."""
+    ext, convs = _records(tiny_pair, n=n)
+    target, _ = tiny_pair
+    return [ext(c) for c in convs], target.get_output_embeddings().weight.detach()
+
+
 def _head(tiny_pair, records):
     target, _ = tiny_pair
     hot = draft_vocabulary(records, 64, 400)
@@ -161,10 +168,7 @@ def _head(tiny_pair, records):
 
 
 def test_resume_gives_the_same_weights(tiny_pair, tmp_path):
-    ext, convs = _records(tiny_pair)
-    recs = [ext(c) for c in convs]
-    target, _ = tiny_pair
-    lm = target.get_output_embeddings().weight.detach()
+    recs, lm = _features_and_lm(tiny_pair, n=6)
     cfg = TrainConfig(ttt_steps=3, lr=1e-2, max_steps=6, grad_accum=2, seed=1)
     torch.manual_seed(0)
     full = _head(tiny_pair, recs)
@@ -182,10 +186,8 @@ def test_resume_gives_the_same_weights(tiny_pair, tmp_path):
 
 
 def test_training_lowers_loss_and_export_loads_back(tiny_pair, tmp_path):
-    ext, convs = _records(tiny_pair, n=4)
-    recs = [ext(c) for c in convs]
+    recs, lm = _features_and_lm(tiny_pair)
     target, _ = tiny_pair
-    lm = target.get_output_embeddings().weight.detach()
     head = _head(tiny_pair, recs)
     first = train(head, recs, lm, TrainConfig(ttt_steps=2, lr=5e-3, max_steps=1), log=lambda *_: None)
     last = train(head, recs, lm, TrainConfig(ttt_steps=2, lr=5e-3, max_steps=40, grad_accum=4),
@@ -223,10 +225,7 @@ def test_trained_heads_keep_greedy_speculation_exact(tiny_pair, fmt):
 
 
 def test_resume_refuses_a_checkpoint_of_another_config(tiny_pair, tmp_path):
-    ext, convs = _records(tiny_pair, n=4)
-    recs = [ext(c) for c in convs]
-    target, _ = tiny_pair
-    lm = target.get_output_embeddings().weight.detach()
+    recs, lm = _features_and_lm(tiny_pair)
     train(_head(tiny_pair, recs), recs, lm, TrainConfig(ttt_steps=2, max_steps=2), checkpoint_dir=str(tmp_path),
           log=lambda *_: None)
     with pytest.raises(ValueError, match="another config"):
@@ -243,10 +242,7 @@ def test_example_config_is_accepted_by_the_cli():
 
 
 def test_non_finite_loss_stops_training_before_anything_is_saved(tiny_pair, tmp_path):
-    ext, convs = _records(tiny_pair, n=4)
-    recs = [ext(c) for c in convs]
-    target, _ = tiny_pair
-    lm = target.get_output_embeddings().weight.detach()
+    recs, lm = _features_and_lm(tiny_pair)
     head = _head(tiny_pair, recs)
     with torch.no_grad():
         head.fc.weight.fill_(float("nan"))  # what a diverged bf16 run looks like

@@ -55,8 +55,9 @@ def parse_args(argv=None):
     ap.add_argument("--turns", choices=["first", "all"], default="first")
     ap.add_argument("--draft-format", choices=["mha", "mla"], default="mha")
     ap.add_argument("--init-layer", default="auto", metavar="N|auto|none",
-                    help="start the head's decoder layer from target layer N (MHA heads with the target's head "
-                         "layout); auto: the layer after the last aux layer; none: random")
+                    help="start the head's decoder layer from target layer N when the head has that layer's "
+                         "layout (MHA under a Llama-style target, MLA under a DeepSeek one, dense MLP); auto: the "
+                         "layer after the last aux layer; none: random")
     ap.add_argument("--head-override", action="append", default=[], metavar="FIELD=JSON",
                     help="override a head config field derived from the target, e.g. q_lora_rank=null, "
                          "num_attention_heads=16 (repeatable)")

@@ -27,17 +27,12 @@ import logging
 import threading
 
 from sglang_ext.core.accounting import AcceptanceStats, apply_stop_truncation, stop_truncation
+from sglang_ext.serving.context import server_args as _server_args
 
 logger = logging.getLogger(__name__)
 
 DECODE_LOGGER = "sglang.srt.managers.scheduler_components.metrics_reporter"
 METRIC_PREFIX = "sglang:spec_ext_"
-
-
-def _server_args():
-    from sglang_ext.serving.context import server_args
-
-    return server_args()
 
 
 def _configured_depth() -> int:
@@ -213,8 +208,7 @@ def install_log_filter() -> None:
 
 
 # ------------------------------------------------------------------------------- tokenizer hook
-def request_fields(meta_info: dict, completion_tokens: int, verify_steps: int, histogram: list[int] | None,
-                   depth: int) -> dict:
+def request_fields(completion_tokens: int, verify_steps: int, histogram: list[int] | None, depth: int) -> dict:
     """Our per-request fields from upstream's (already truncation-corrected) counters."""
     accepted = completion_tokens - 1 - verify_steps  # the invariant, with the prefill token
     stats = AcceptanceStats.from_histogram(histogram or [], depth)
@@ -240,7 +234,7 @@ def spec_metrics_after(result, self, meta_info, recv_obj, i, *args, **kwargs):
     if hists and len(hists) > i:
         hist = hists[i]
     depth = int(getattr(self.server_args, "speculative_num_steps", None) or 1)
-    meta_info.update(request_fields(meta_info, completion, verify, hist, depth))
+    meta_info.update(request_fields(completion, verify, hist, depth))
     return result
 
 

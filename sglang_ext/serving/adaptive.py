@@ -1,8 +1,9 @@
 """Speculation that never costs more than it saves: SGLang's --speculative-adaptive with a cost model.
 
 Opt-in: ``--speculative-adaptive`` (SGLang's flag: chain drafting, topk 1) plus
-``SGLANG_EXT_ADAPTIVE_POLICY=cost``. Without the variable SGLang's own acceptance thresholds run
-unchanged; with it but without ``--speculative-adaptive`` nothing changes (a warning says so).
+``SGLANG_EXT_ADAPTIVE_POLICY=cost``. Without the variable none of these hooks is registered and
+SGLang's own acceptance thresholds run unchanged; with it but without ``--speculative-adaptive``
+nothing changes (a warning says so).
 
 Extends (hooks registered by sglang_ext.plugin), SGLang 0.5.17:
   * ``sglang.srt.speculative.adaptive_spec_params.AdaptiveStepSlot.update`` (AROUND) -- the per
@@ -21,6 +22,7 @@ Extends (hooks registered by sglang_ext.plugin), SGLang 0.5.17:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -33,9 +35,20 @@ POLICY_ENV = "SGLANG_EXT_ADAPTIVE_POLICY"
 DEFAULT_CANDIDATES = [0, 1, 3]
 
 
+OFF_VALUES = ("", "off", "sglang", "upstream")
+
+
+def requested() -> bool:
+    """Whether the operator asked for a policy at all (the plugin registers these hooks only then,
+    so servers without it pay nothing per decode step)."""
+    return os.environ.get(POLICY_ENV, "").strip().lower() not in OFF_VALUES
+
+
+@functools.lru_cache(maxsize=1)
 def enabled() -> bool:
+    """The cost policy is on; an unknown value is refused (at startup: warn_if_inert calls this)."""
     value = os.environ.get(POLICY_ENV, "").strip().lower()
-    if value in ("", "off", "sglang", "upstream"):
+    if value in OFF_VALUES:
         return False
     if value != "cost":
         from sglang_ext.conventions import ConfigError
