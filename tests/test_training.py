@@ -1,6 +1,7 @@
 """The trainer's pieces: data normalisation, chat loss masks (ChatML, DeepSeek-V3, Kimi templates),
 in-process regeneration (turn by turn, resumable), feature shards, exact resume, export."""
 
+import dataclasses
 import json
 import os
 
@@ -183,6 +184,57 @@ def test_resume_gives_the_same_weights(tiny_pair, tmp_path):
     assert not any(torch.equal(a, b) for (n, a), (_, b) in zip(full.state_dict().items(),
                                                                _head(tiny_pair, recs).state_dict().items())
                    if n == "fc.weight")
+
+
+def test_packed_conversations_do_not_see_each_other(tiny_pair):
+    """Packing (GPU default) is one forward over several conversations: each keeps its own positions
+    and attention, so a pack of a conversation with itself scores exactly like the conversation alone,
+    and the accuracy counts of a pack are the sums of its members'."""
+    from training.trainer import pack, ttt_loss
+
+    recs, lm = _features_and_lm(tiny_pair, n=3)
+    head = _head(tiny_pair, recs)
+    rows = lm.float()[head.target_logits_index()]
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        alone = [ttt_loss(head, r, rows, 3, 0.8, cpu) for r in recs]
+        twice, acc2, cnt2 = ttt_loss(head, [recs[0], recs[0]], rows, 3, 0.8, cpu)
+        _, acc3, cnt3 = ttt_loss(head, recs, rows, 3, 0.8, cpu)
+    assert torch.allclose(twice, alone[0][0], atol=1e-5)
+    assert acc2 == [2 * a for a in alone[0][1]] and cnt2 == [2 * c for c in alone[0][2]]
+    assert acc3 == [sum(a[1][k] for a in alone) for k in range(3)]
+    assert cnt3 == [sum(a[2][k] for a in alone) for k in range(3)] and cnt3[0] > 0
+    lens = [len(r.input_ids) for r in recs]
+    assert pack(recs, [2, 0, 1], lens[2] + lens[0], 10 ** 6) == [[2, 0], [1]]
+    assert pack(recs, [0, 1, 2], 1, 10 ** 6) == [[0], [1], [2]]  # a conversation longer than a pack is its own
+
+
+def test_packed_training_learns_and_resumes(tiny_pair, tmp_path):
+    recs, lm = _features_and_lm(tiny_pair, n=6)
+    cfg = TrainConfig(ttt_steps=2, lr=5e-3, max_steps=4, grad_accum=1, pack_tokens=64, seed=1)
+    torch.manual_seed(0)
+    full = _head(tiny_pair, recs)
+    first = train(full, recs, lm, dataclasses.replace(cfg, max_steps=1), log=lambda *_: None)
+    torch.manual_seed(0)
+    full = _head(tiny_pair, recs)
+    last = train(full, recs, lm, cfg, checkpoint_dir=str(tmp_path / "a"), log=lambda *_: None)
+    assert last["loss"] < first["loss"]
+    torch.manual_seed(0)
+    part = _head(tiny_pair, recs)
+    train(part, recs, lm, cfg, checkpoint_dir=str(tmp_path / "b"), stop_after=2, log=lambda *_: None)
+    resumed = _head(tiny_pair, recs)
+    train(resumed, recs, lm, cfg, checkpoint_dir=str(tmp_path / "b"), log=lambda *_: None)
+    for (n, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_training_time_limit_stops_with_a_checkpoint(tiny_pair, tmp_path):
+    recs, lm = _features_and_lm(tiny_pair)
+    said = []
+    m = train(_head(tiny_pair, recs), recs, lm, TrainConfig(ttt_steps=2, max_steps=50, max_seconds=0.0),
+              checkpoint_dir=str(tmp_path), log=said.append)
+    assert m["step"] == 1 and m["stopped_early"] and "time limit" in said[-1]
+    assert json.load(open(tmp_path / "trainer.json"))["step"] == 1
 
 
 def test_training_lowers_loss_and_export_loads_back(tiny_pair, tmp_path):

@@ -83,6 +83,11 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=5e-3, help="peak learning rate (the CPU default's; "
                     "a long GPU run wants ~1e-4 to 5e-4)")
     ap.add_argument("--grad-accum", type=int, default=4)
+    ap.add_argument("--pack-tokens", type=int, default=None,
+                    help="pack conversations into forwards of up to this many tokens (default: 4096 on CUDA, "
+                         "0 = one conversation per forward on the CPU)")
+    ap.add_argument("--max-train-minutes", type=float, default=None,
+                    help="stop training after this long (a checkpoint is written; the export says so)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
@@ -104,6 +109,8 @@ def parse_args(argv=None):
     cpu = args.device == "cpu"
     if args.ttt_steps is None:  # the CPU default must finish in ~15 min; chain depth 3 is what it is judged on
         args.ttt_steps = 4 if cpu else 7
+    if args.pack_tokens is None:
+        args.pack_tokens = 0 if cpu else 4096
     if args.draft_vocab_size is None:
         args.draft_vocab_size = 4096 if cpu else 32000
     if not args.data:
@@ -227,6 +234,8 @@ def main(argv=None) -> int:
     lm_head = target.get_output_embeddings().weight.detach()
     tcfg = TrainConfig(ttt_steps=args.ttt_steps, lr=args.lr, epochs=args.epochs, max_steps=args.max_steps,
                        grad_accum=args.grad_accum, max_tokens=args.max_tokens, seed=args.seed,
+                       pack_tokens=args.pack_tokens,
+                       max_seconds=None if args.max_train_minutes is None else 60 * args.max_train_minutes,
                        bf16=device.type == "cuda" and args.precision == "bf16")
     untrained = None
     eval_path = args.eval_data or default_gsm8k("test")
@@ -238,7 +247,8 @@ def main(argv=None) -> int:
     metrics = train(head, records, lm_head, tcfg, checkpoint_dir=os.path.join(args.work, "checkpoint"))
     train_s = time.time() - t
     print(f"[train-draft] trained {metrics.get('step')} steps in {train_s:.0f}s "
-          f"({n_tok * args.epochs / max(train_s, 1e-9):.0f} tokens/s); last loss {metrics.get('loss', 0):.3f}")
+          f"({metrics.get('tokens_trained', 0) / max(train_s, 1e-9):.0f} tokens/s); last loss {metrics.get('loss', 0):.3f}"
+          + (" -- stopped early by --max-train-minutes" if metrics.get("stopped_early") else ""))
 
     # 5. export + estimates
     head.save_pretrained(args.out)
@@ -247,9 +257,10 @@ def main(argv=None) -> int:
     est = acceptance_estimate(target, head, prompts, args.eval_steps, args.eval_max_new_tokens, eos)
     result = {"target": args.target, "draft_format": args.draft_format, "aux_output_ids": aux_ids,
               "draft_vocab_size": dv, "train_conversations": len(records), "train_tokens": n_tok,
-              "train_seconds": train_s, "train_tokens_per_s": n_tok * args.epochs / max(train_s, 1e-9),
+              "train_seconds": train_s, "train_tokens_per_s": metrics.get("tokens_trained", 0) / max(train_s, 1e-9),
               "final_metrics": metrics, "held_out_accuracy_per_step": held_acc,
               "acceptance": {"eval_data": eval_path, "prompts": len(prompts), "chain_steps": args.eval_steps,
+                             "max_new_tokens": args.eval_max_new_tokens,
                              "trained": est, "untrained": untrained},
               "wall_seconds": time.time() - t0}
     with open(os.path.join(args.out, "training_report.json"), "w") as f:

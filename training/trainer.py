@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 from collections import Counter
 
 import torch
@@ -44,6 +45,8 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 0  # optimizer steps; 0: only at the end
     bf16: bool = False  # autocast on CUDA
+    pack_tokens: int = 0  # > 0: conversations packed into forwards of up to this many tokens (GPU)
+    max_seconds: float | None = None  # stop early (checkpoint written, logged) after this much training time
 
 
 def draft_vocabulary(records: list[Features], size: int, vocab_size: int) -> torch.Tensor:
@@ -109,35 +112,65 @@ def init_layer_from_target(head: Eagle3Head, target, layer: int) -> bool:
     return True
 
 
-def ttt_loss(head: Eagle3Head, f: Features, lm_rows: torch.Tensor, steps: int, decay: float, device,
+def _truncated(f: Features, max_tokens: int) -> Features:
+    if len(f.input_ids) <= max_tokens:
+        return f
+    return Features(f.input_ids[:max_tokens], f.loss_mask[:max_tokens], f.aux[:max_tokens], f.last_hidden[:max_tokens])
+
+
+def pack(records: list[Features], order: list[int], pack_tokens: int, max_tokens: int) -> list[list[int]]:
+    """Greedy packs of record indices (in `order`), each at most `pack_tokens` tokens after truncation
+    to `max_tokens`: one forward per pack instead of per conversation (the GPU is launch-bound on
+    single short conversations)."""
+    packs, cur, used = [], [], 0
+    for i in order:
+        n = min(len(records[i].input_ids), max_tokens)
+        if cur and used + n > pack_tokens:
+            packs.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        packs.append(cur)
+    return packs
+
+
+def ttt_loss(head: Eagle3Head, f: Features | list[Features], lm_rows: torch.Tensor, steps: int, decay: float, device,
              autocast: bool = False) -> tuple[torch.Tensor, list[float], list[int]]:
-    """(loss, per-step accuracy sums, per-step counts) for one sequence."""
-    T = len(f.input_ids)
-    L = T - 1  # lanes t = 0..T-2
-    ids = f.input_ids.to(device)
-    mask = f.loss_mask.to(device).bool()
-    aux = f.aux.to(device).float()
+    """(loss, per-step accuracy sums, per-step counts) for one sequence, or for several packed into one
+    forward: lanes of different conversations never attend to each other (block-diagonal mask), each
+    restarts its positions at 0, and the loss is the mean over all selected lanes of the pack."""
+    recs = [f] if isinstance(f, Features) else list(f)
+    lens = torch.tensor([len(r.input_ids) for r in recs], device=device)
+    ids = torch.cat([r.input_ids for r in recs]).to(device)
+    mask = torch.cat([r.loss_mask for r in recs]).to(device).bool()
     with torch.no_grad():  # the target's distribution over the draft vocabulary at every position
-        tgt = F.softmax(f.last_hidden.to(device).float() @ lm_rows.T, dim=-1)  # [T, Vd]
+        tgt = F.softmax(torch.cat([r.last_hidden for r in recs]).to(device).float() @ lm_rows.T, dim=-1)  # [T, Vd]
+    hidden = torch.cat([r.aux[: len(r.input_ids) - 1] for r in recs]).to(device).float()
+    lanes = lens - 1  # lanes t = 0..T-2 of each sequence
+    seg = torch.repeat_interleave(torch.arange(len(recs), device=device), lanes)  # sequence of each lane
+    token_start = (torch.cumsum(lens, 0) - lens)[seg]  # where the lane's sequence starts in `ids`
+    lane_start = (torch.cumsum(lanes, 0) - lanes)[seg]
+    L = int(lanes.sum())
+    pos = torch.arange(L, device=device) - lane_start  # t within its sequence
+    last = lens[seg] - 1  # the sequence's last token index
     cache = KVCache()
-    hidden = aux[:L]
     total, acc, cnt = 0.0, [], []
-    pos = torch.arange(L, device=device)
-    causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    causal = torch.ones(L, L, dtype=torch.bool, device=device).tril() & (seg[:, None] == seg[None, :])
     eye = torch.eye(L, dtype=torch.bool, device=device)
     for k in range(steps):
         tok_idx = pos + k + 1  # the token fed at lane t: x_{t+k+1}
         pred_idx = pos + k + 2  # the token predicted: x_{t+k+2}
-        valid = pred_idx <= T - 1
+        valid = pred_idx <= last
         if not valid.any():
             break
-        tok = ids[tok_idx.clamp(max=T - 1)]
+        tok = ids[token_start + torch.minimum(tok_idx, last)]
         attn_mask = torch.cat([causal] + [eye] * k, dim=1)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
             out = head(tok[None], hidden[None], (pos + k)[None], cache, attn_mask)
         logits = out.logits[0].float()
-        sel = valid & mask[pred_idx.clamp(max=T - 1)]
-        target_p = tgt[(pred_idx - 1).clamp(max=T - 1)]
+        sel = valid & mask[token_start + torch.minimum(pred_idx, last)]
+        target_p = tgt[token_start + torch.minimum(pred_idx - 1, last)]
         if sel.any():
             loss_k = -(target_p[sel] * F.log_softmax(logits[sel], dim=-1)).sum(-1).mean()
             total = total + (decay ** k) * loss_k
@@ -216,10 +249,16 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     lm_rows = target_lm_head.to(device).float()[head.target_logits_index()]
-    per_epoch = math.ceil(len(records) / (cfg.grad_accum * world))
+    # units of one forward: a conversation, or a pack of them (fixed once, from the seed)
+    if cfg.pack_tokens > 0:
+        seeded = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        units = pack(records, seeded, cfg.pack_tokens, cfg.max_tokens)
+    else:
+        units = [[i] for i in range(len(records))]
+    per_epoch = math.ceil(len(units) / (cfg.grad_accum * world))
     total = cfg.max_steps or per_epoch * cfg.epochs
     step = 0
-    identity = {"train_config": dataclasses.asdict(cfg), "head_config": head.config.to_dict(),
+    identity = {"train_config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "max_seconds"}, "head_config": head.config.to_dict(),
                 "records": len(records), "world_size": world}
     if checkpoint_dir and resume and os.path.exists(os.path.join(checkpoint_dir, "trainer.json")):
         saved = json.load(open(os.path.join(checkpoint_dir, "trainer.json")))
@@ -230,11 +269,12 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
         step = load_checkpoint(checkpoint_dir, head, opt)["step"]
         log(f"resumed from {checkpoint_dir} at optimizer step {step}")
     metrics = {}
+    t_start, tokens_trained = time.time(), 0
     bar = tqdm(total=total, initial=step, desc="train draft", unit="step", disable=rank != 0,
                mininterval=5)
     while step < total:
         epoch, within = divmod(step, per_epoch)
-        order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+        order = torch.randperm(len(units), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
         order = order[rank::world]
         start = within * cfg.grad_accum
         batch = order[start: start + cfg.grad_accum]
@@ -245,15 +285,14 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
             group["lr"] = lr_at(step, total, cfg)
         opt.zero_grad(set_to_none=True)
         acc_sum, cnt_sum, loss_sum = [0.0] * cfg.ttt_steps, [0] * cfg.ttt_steps, 0.0
-        for i in batch:
-            f = records[i]
-            if len(f.input_ids) > cfg.max_tokens:
-                f = Features(f.input_ids[: cfg.max_tokens], f.loss_mask[: cfg.max_tokens], f.aux[: cfg.max_tokens],
-                             f.last_hidden[: cfg.max_tokens])
-            loss, acc, cnt = ttt_loss(model if world == 1 else model.module, f, lm_rows, cfg.ttt_steps, cfg.decay,
-                                      device, cfg.bf16 and device.type == "cuda")
+        for u in batch:
+            fs = [_truncated(records[i], cfg.max_tokens) for i in units[u]]
+            tokens_trained += sum(len(x.input_ids) for x in fs)
+            loss, acc, cnt = ttt_loss(model if world == 1 else model.module, fs if len(fs) > 1 else fs[0], lm_rows,
+                                      cfg.ttt_steps, cfg.decay, device, cfg.bf16 and device.type == "cuda")
             if not torch.isfinite(loss):  # stop before a NaN reaches the weights, the checkpoint or the export
-                raise FloatingPointError(f"non-finite TTT loss ({float(loss)}) at optimizer step {step}, record {i}; "
+                raise FloatingPointError(f"non-finite TTT loss ({float(loss)}) at optimizer step {step}, records "
+                                         f"{units[u]}; "
                                          f"nothing was saved for this step. Lower --lr (now {cfg.lr}) or train "
                                          "without bf16 autocast")
             (loss / len(batch)).backward()
@@ -269,12 +308,19 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
         step += 1
         bar.update(1)
         metrics = {"step": step, "loss": loss_sum / len(batch), "lr": opt.param_groups[0]["lr"],
-                   "accuracy_per_step": [a / c if c else 0.0 for a, c in zip(acc_sum, cnt_sum)]}
+                   "accuracy_per_step": [a / c if c else 0.0 for a, c in zip(acc_sum, cnt_sum)],
+                   "tokens_trained": tokens_trained, "total_steps": total}
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['accuracy_per_step'][0]:.2f}")
+        out_of_time = cfg.max_seconds is not None and time.time() - t_start > cfg.max_seconds
         if checkpoint_dir and rank == 0 and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-                                             or step == total or step == stop_after):
+                                             or step == total or step == stop_after or out_of_time):
             save_checkpoint(checkpoint_dir, head, opt, step, {"total_steps": total, "identity": identity})
         if stop_after is not None and step >= stop_after:
+            break
+        if out_of_time:
+            log(f"stopped at optimizer step {step} of {total}: the training time limit ({cfg.max_seconds:.0f}s) "
+                "was reached (the schedule did not finish)")
+            metrics["stopped_early"] = True
             break
     bar.close()
     return metrics

@@ -40,6 +40,9 @@ EXTERNAL_TARGET = os.environ.get("GPU_CHECK_TARGET")
 DATA = os.environ.get("GPU_DATA", os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), ".gpu-state", "data"))
 N_PROMPTS = int(os.environ.get("N_PROMPTS", "200"))
+# appended to every arm's server arguments, e.g. --enable-fp32-lm-head: fp32 logits make the top-2 gap at a
+# parting measurable below one bf16 step (a trained target's logits are ~10-30, where bf16 steps are 0.06-0.125)
+EXTRA_ARGS = os.environ.get("GPU_CHECK_EXTRA_ARGS", "").split()
 CONCURRENCY = 64
 CHAIN = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
 TREE = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"]
@@ -135,6 +138,39 @@ def train_heads() -> subprocess.Popen | None:
     return subprocess.Popen(" && ".join(cmds), shell=True, stdout=open(f"{WORK}/train.log", "a"),
                             stderr=subprocess.STDOUT,
                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def server_args(head: str | None, drafting: list[str]) -> list[str]:
+    args = ["--model-path", f"{WORK}/target", "--enable-metrics", "--decode-log-interval", "1",
+            "--tp-size", os.environ.get("GPU_CHECK_TP", "1"),
+            "--max-running-requests", "64", "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32", "64", *EXTRA_ARGS]
+    if head is not None:
+        args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", f"{WORK}/head-{head}",
+                 *drafting]
+    return args
+
+
+def same_prompts_acceptance(srv: Server, head: str) -> dict | None:
+    """The head's own acceptance estimate (reference decoder, written by train_draft) re-measured by the
+    server on the same prompts, greedy, same token budget."""
+    path = f"{WORK}/head-{head}/training_report.json"
+    if not os.path.exists(path):
+        return None
+    from transformers import AutoTokenizer
+
+    from training.train_draft import gsm8k_prompts
+
+    acc = json.load(open(path))["acceptance"]
+    tok = AutoTokenizer.from_pretrained(f"{WORK}/target")
+    ps = gsm8k_prompts(tok, acc["eval_data"], acc["prompts"])
+    sp = {"temperature": 0, "max_new_tokens": acc.get("max_new_tokens", 128)}
+    with cf.ThreadPoolExecutor(16) as pool:
+        metas = list(pool.map(lambda p: srv.post("/generate", {"input_ids": p, "sampling_params": sp})["meta_info"], ps))
+    steps = sum(m.get("spec_verify_ct", 0) for m in metas)
+    drafts = sum(m.get("spec_accepted_drafts", 0) for m in metas)
+    return {"prompts": len(ps), "server_accepted_drafts_per_step": drafts / steps if steps else 0.0,
+            "server_verify_steps": steps, "reference_accepted_drafts_per_step": acc["trained"]["accepted_drafts_per_step"],
+            "reference_chain_steps": acc["chain_steps"]}
 
 
 def rename_mla_head():
@@ -326,7 +362,7 @@ def main():
         state["prompts"] = build()
         json.dump(state, open(state_path, "w"))
     prompts = state["prompts"]
-    trainer = train_heads()
+    trainer = None if os.environ.get("GPU_CHECK_NO_TRAIN") else train_heads()
     print(f"[check] built in {time.time() - t0:.0f}s; {len(prompts)} prompts", flush=True)
     results = state.setdefault("results", {})
     for name in arms:
@@ -352,12 +388,7 @@ def main():
         if head is not None:  # SGLang reads the draft directory's tokenizer files too
             os.system(f"cp -n {WORK}/target/tokenizer*.json {WORK}/target/chat_template.jinja {WORK}/head-{head}/ "
                       "2>/dev/null")
-        args = ["--model-path", f"{WORK}/target", "--enable-metrics", "--decode-log-interval", "1",
-                "--tp-size", os.environ.get("GPU_CHECK_TP", "1"),
-                "--max-running-requests", "64", "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32", "64"]
-        if head is not None:
-            args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", f"{WORK}/head-{head}",
-                     *drafting]
+        args = server_args(head, drafting)
         row = {"arm": name, "head": head, "drafting": " ".join(drafting), "env": env}
         t = time.time()
         with Server(f"serve-{name}", args, env) as srv:
@@ -405,6 +436,17 @@ def main():
                         row["accounting_passed"] = (acc["invariant_failures"] == 0 and acc["all_views_agree"]
                                                     and row["pool"]["arithmetic_matches"])
                         row["passed"] = row["accounting_passed"] and row["vs_target"]["other_partings"] == 0
+                        if EXTERNAL_TARGET:
+                            row["same_prompts"] = same_prompts_acceptance(srv, head)
+                            gsm_out = os.environ.get("GPU_CHECK_GSM8K_OUT")
+                            if gsm_out and name == "mha-chain":  # the GSM8K eval against the server, spec on
+                                from eval import gsm8k as G
+
+                                row["gsm8k_rc"] = G.main([
+                                    "--base-url", srv.url, "--tokenizer", f"{WORK}/target",
+                                    "--data-path", f"{DATA}/gsm8k-test.jsonl", "--fewshot-path",
+                                    f"{DATA}/gsm8k-train.jsonl", "--limit", os.environ.get("GPU_CHECK_GSM8K_LIMIT", "200"),
+                                    "--out", gsm_out])
                     else:
                         sim = float(env["SGLANG_SIMULATE_ACC_LEN"]) - 1
                         live = re.findall(r"accepted drafts/step: ([\d.]+) \(no bonus; (\d+) req-steps\)", log)

