@@ -259,8 +259,12 @@ def main(argv=None) -> int:
     tok = load_tokenizer(tok_name)
     prompts = [render_prompt(tok, fewshot_messages(shots, r["question"])) for r in rows]
     arms = []
+    # SGLang's per-request histogram stops at the largest count seen: take the depth from the server
+    depth = server_spec_depth(args.base_url) if args.base_url else args.num_steps
     if args.base_url:
-        arms.append(("spec", ServerBackend(args.base_url, tok, args.concurrency)))
+        # a lone server without speculation is the no-spec arm (with --compare the first URL is meant to
+        # speculate, and the report says so if it does not)
+        arms.append(("spec" if depth or args.compare else "no-spec", ServerBackend(args.base_url, tok, args.concurrency)))
         if args.compare:
             if not args.compare_base_url:
                 print("--compare with --base-url needs --compare-base-url (the server without speculation)",
@@ -283,8 +287,6 @@ def main(argv=None) -> int:
             arms.append(("no-spec", ReferenceBackend(dec, tok, False)))
     report = {"config": {k: v for k, v in vars(args).items()}, "questions": len(rows), "malformed_lines": bad,
               "num_shots": len(shots), "chat_template": True, "arms": {}}
-    # SGLang's per-request histogram stops at the largest count seen: take the depth from the server
-    depth = server_spec_depth(args.base_url) if args.base_url else args.num_steps
     report["speculative_num_steps"] = depth
     flags = {}
     for name, backend in arms:

@@ -68,6 +68,38 @@ def kv_dtype_errors(draft: DraftSpec, draft_dtype: str | None, target_dtype: str
     return errors
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def triton_mla_blocks(kv_lora_rank: int, qk_rope_head_dim: int) -> tuple[int, int]:
+    """(BLOCK_DMODEL, BLOCK_DV) that SGLang 0.5.17's Triton MLA decode kernel picks
+    (`sglang.kernels.ops.attention.decode_attention._decode_grouped_att_m_fwd`: Lk = latent + rope,
+    Lv = latent; 576 and 288 are special-cased, anything else rounds up to a power of two)."""
+    lk = kv_lora_rank + qk_rope_head_dim
+    model = 512 if lk == 576 else 256 if lk == 288 else _next_pow2(lk)
+    return model, _next_pow2(kv_lora_rank)
+
+
+def triton_mla_errors(who: str, config: Mapping[str, Any]) -> list[ConfigError]:
+    """An MLA latent the Triton decode kernel cannot tile: its tiles for the latent and for the value
+    (the same latent) must have one width, else every decode step (CUDA-graph capture first) fails
+    with a Triton compile error `incompatible dimensions ... 256 and 512`. Seen on an H200 with
+    kv_lora_rank 256 + qk_rope_head_dim 64."""
+    if config.get("kv_lora_rank") in (None, 0) or config.get("qk_rope_head_dim") is None:
+        return []
+    latent, rope = int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"])
+    model, dv = triton_mla_blocks(latent, rope)
+    if model == dv:
+        return []
+    return [ConfigError(f"{who}.kv_lora_rank", latent,
+                        f"with qk_rope_head_dim {rope}, SGLang 0.5.17's Triton MLA decode kernel tiles the latent+rope "
+                        f"({latent + rope}) at {model} and the value ({latent}) at {dv}; it cannot compile that",
+                        "use kv_lora_rank 512 with qk_rope_head_dim 64 (DeepSeek-V3 / Kimi-K2 layout), or a latent "
+                        "whose width and width+rope round up to the same power of two, or another "
+                        "--attention-backend")]
+
+
 # ---------------------------------------------------------------------------------------------
 # Weights
 # ---------------------------------------------------------------------------------------------

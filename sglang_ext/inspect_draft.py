@@ -69,8 +69,18 @@ def inspect(draft_path: str, target_path: str, override: str | None = None, pool
         fail(e)
     for e in draft_schema.pair_errors(target, draft, shapes):
         fail(e)
+    backend = (pools or {}).get("attention_backend")
+    mla_parts = ([("target", target.text_config)] if target.is_mla else []) + \
+        ([("draft", draft.config)] if draft.head_format == "mla" else [])
+    for who, cfg in mla_parts:
+        for e in draft_schema.triton_mla_errors(who, cfg):
+            if backend == "triton":
+                fail(e)
+            else:
+                report["notes"].append(f"with --attention-backend triton: {e}")
     try:
-        report["kv_pools"] = kv_pool_report(target, draft, shapes, **(pools or {}))
+        report["kv_pools"] = kv_pool_report(target, draft, shapes, **{k: v for k, v in (pools or {}).items()
+                                                                       if k != "attention_backend"})
         for e in draft_schema.kv_dtype_errors(draft, report["kv_pools"]["draft_kv_cache_dtype"],
                                               report["kv_pools"]["kv_cache_dtype"]):
             fail(e)
@@ -184,11 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", default="bf16", help="the target's (SGLang --kv-cache-dtype)")
     ap.add_argument("--draft-kv-cache-dtype", default=os.environ.get(draft_schema.DRAFT_KV_DTYPE_ENV),
                     help=f"as the operator would set {draft_schema.DRAFT_KV_DTYPE_ENV} (default: that variable)")
+    ap.add_argument("--attention-backend", help="the server's (SGLang --attention-backend); triton: refuse MLA "
+                                                "latents its decode kernel cannot compile (otherwise a note)")
     ap.add_argument("--json", action="store_true", help="print a JSON report")
     args = ap.parse_args(argv)
     pools = dict(gpu_memory_gib=args.gpu_memory_gib, mem_fraction_static=args.mem_fraction_static,
                  tp_size=args.tp_size, kv_cache_dtype=args.kv_cache_dtype,
-                 draft_kv_cache_dtype=args.draft_kv_cache_dtype)
+                 draft_kv_cache_dtype=args.draft_kv_cache_dtype, attention_backend=args.attention_backend)
     report = inspect(args.draft, args.target, args.override, pools)
     print(json.dumps(report, indent=1) if args.json else render(report))
     return 1 if report["errors"] else 0

@@ -212,3 +212,28 @@ def test_inspect_draft_prints_format_bytes_and_split(tmp_path, run_cli):
     assert rc == 0 and "draft 2048 B/token (MHA head, fp8_e4m3)" in text and "split:" in text
     rc, text = run_cli("inspect-draft", d, "--target", t, "--draft-kv-cache-dtype", "int4")
     assert rc == 1 and "int4" in text
+
+
+def test_triton_mla_latent_rule_mirrors_sglangs_decode_kernel():
+    """SGLang 0.5.17's Triton MLA decode kernel compiled for DeepSeek's 512 + 64 and refused 256 + 64 on
+    an H200 (`incompatible dimensions ... 256 and 512`): the rule computes its two tile widths."""
+    from sglang_ext.draft_schema import triton_mla_blocks, triton_mla_errors
+
+    assert triton_mla_blocks(512, 64) == (512, 512) and triton_mla_blocks(256, 64) == (512, 256)
+    assert triton_mla_blocks(256, 32) == (256, 256) and triton_mla_blocks(448, 64) == (512, 512)
+    assert triton_mla_errors("target", {"kv_lora_rank": 512, "qk_rope_head_dim": 64}) == []
+    assert triton_mla_errors("target", {"hidden_size": 64}) == []  # not MLA
+    (e,) = triton_mla_errors("draft", {"kv_lora_rank": 256, "qk_rope_head_dim": 64})
+    assert e.field == "draft.kv_lora_rank" and e.value == 256 and "512" in e.fix and "attention-backend" in e.fix
+
+
+def test_inspect_draft_refuses_an_mla_latent_triton_cannot_decode(tmp_path, run_cli):
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8, "hidden_size": 512, "vocab_size": 512,
+           "num_attention_heads": 8, "q_lora_rank": 256, "kv_lora_rank": 256, "qk_nope_head_dim": 128,
+           "qk_rope_head_dim": 64, "v_head_dim": 128}
+    t = write_model_dir(tmp_path / "t", cfg)
+    d = write_head(tmp_path / "d", "mla", hidden=512, target_hidden=512, vocab=512, draft_vocab=128)
+    rc, text = run_cli("inspect-draft", d, "--target", t)
+    assert rc == 0 and "note: with --attention-backend triton: target.kv_lora_rank=256" in text
+    rc, out = run_cli("inspect-draft", d, "--target", t, "--attention-backend", "triton", "--json")
+    assert rc == 1 and "target.kv_lora_rank" in {e["field"] for e in json.loads(out)["errors"]}

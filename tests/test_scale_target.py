@@ -99,3 +99,22 @@ def test_small_cpu_variant_end_to_end_and_deterministic(tmp_path):
     assert model.config.kv_lora_rank == 64
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.isfinite(model(ids).logits).all()
+
+
+def test_widening_the_kv_latent_keeps_the_function(tmp_path):
+    """A target built with a latent SGLang's Triton MLA decode cannot serve (the old 256 + rope 64) is
+    rewritten with a repeated latent: same logits, a servable width, and the CLI refuses to build one."""
+    from transformers import AutoModelForCausalLM
+
+    _build(tmp_path, "a")
+    out = str(tmp_path / "a")
+    ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
+    before = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
+    assert st.widen_kv_latent(out, 128) == 64
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert model.config.kv_lora_rank == 128
+    assert torch.allclose(model(ids).logits, before, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="not a multiple"):
+        st.widen_kv_latent(out, 192)
+    with pytest.raises(SystemExit):
+        st.main(["--kv-lora-rank", "256", "--device", "cpu", "--out", str(tmp_path / "c")])

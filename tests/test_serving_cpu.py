@@ -154,6 +154,16 @@ def test_startup_refuses_a_bad_pair_before_loading(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
         plan_for_target(target, "DeepseekV3ForCausalLM", None, good, None)
     assert e.value.field == "SGLANG_EXT_DRAFT_KV_CACHE_DTYPE"
+    monkeypatch.delenv("SGLANG_EXT_DRAFT_KV_CACHE_DTYPE")
+    # on the Triton backend, a latent its MLA decode kernel cannot tile is refused here, not in graph capture
+    import sglang_ext.serving.aux_capture as ac
+
+    monkeypatch.setattr(ac, "decode_backends", lambda: ("triton", "triton"))
+    with pytest.raises(ConfigError) as e:
+        plan_for_target(target, "DeepseekV3ForCausalLM", None, good, None)
+    assert e.value.field == "target.kv_lora_rank" and "Triton" in e.value.problem
+    monkeypatch.setattr(ac, "decode_backends", lambda: ("flashinfer", "flashinfer"))
+    assert plan_for_target(target, "DeepseekV3ForCausalLM", None, good, None).output_ids == (1, 3, 5)
 
 
 ADAPTIVE = """

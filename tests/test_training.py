@@ -144,12 +144,14 @@ def test_feature_shards_round_trip_and_resume(tiny_pair, tmp_path):
     assert [s["file"] for s in m["shards"]] == ["shard-00000.safetensors", "shard-00001.safetensors",
                                                 "shard-00002.safetensors"]
     recs = read_shards(d)
-    again = [ext(c) for c in convs]
-    assert len(recs) == 6
+    again = [ext(c) for c in convs]  # one at a time; the shards were captured in padded batches
+    assert len(recs) == 6 and len({len(r.input_ids) for r in recs}) > 1
     for a, b in zip(recs, again):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
-        assert torch.equal(a.aux, b.aux) and torch.equal(a.last_hidden, b.last_hidden)
+        assert torch.allclose(a.aux, b.aux, atol=1e-5) and torch.allclose(a.last_hidden, b.last_hidden, atol=1e-5)
         assert a.aux.shape[1] == 3 * 64 and a.loss_mask.sum() > 0
+    batched = ext.many(convs, batch_tokens=10 ** 6)  # all six in one padded forward
+    assert all(torch.allclose(a.aux, b.aux, atol=1e-5) for a, b in zip(batched, again))
 
 
 def _features_and_lm(tiny_pair, n=4):
@@ -343,3 +345,72 @@ def test_decoder_layer_can_start_from_a_target_layer(tiny_pair):
     assert torch.equal(a.kv_b_proj.weight, t.kv_b_proj.weight) and torch.equal(a.q_b_proj.weight, t.q_b_proj.weight)
     assert torch.equal(a.kv_a_proj_with_mqa.weight[:, 64:], 0.5 * t.kv_a_proj_with_mqa.weight)
     assert not init_layer_from_target(Eagle3Head(head_config_for(ds.config, "mla", [0, 1, 2])), ds, 3)  # MoE
+
+
+def test_profile_option_logs_where_the_step_time_goes(tiny_pair):
+    recs, lm = _features_and_lm(tiny_pair)
+    said = []
+    train(_head(tiny_pair, recs), recs, lm, TrainConfig(ttt_steps=2, max_steps=4, profile_steps=1, pack_tokens=64),
+          log=said.append)
+    (table,) = [x for x in said if x.startswith("profile of 1 optimizer steps")]
+    assert "aten::" in table and "Self CPU" in table
+
+
+def test_data_parallel_training_equals_one_process_with_the_same_global_batch(tiny_pair, tmp_path):
+    """torchrun, 2 CPU ranks (gloo), grad-accum 1 == one process, grad-accum 2: each step's units are
+    split across ranks and gradients summed, so the weights match; a rank that starts from other
+    weights is overwritten by rank 0's."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    ext, convs = _records(tiny_pair, n=6)
+    write_shards(ext, convs, str(tmp_path / "features"))
+    recs, lm = read_shards(str(tmp_path / "features")), tiny_pair[0].get_output_embeddings().weight.detach()
+    torch.manual_seed(0)
+    head = _head(tiny_pair, recs)
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(tmp_path / "head.safetensors"))
+    save_file({"w": lm.contiguous()}, str(tmp_path / "lm.safetensors"))
+    json.dump(head.config.to_dict(), open(tmp_path / "head.json", "w"))
+    cfg = dict(ttt_steps=2, lr=5e-3, max_steps=3, grad_accum=1, pack_tokens=40, seed=3)
+    json.dump(cfg, open(tmp_path / "train.json", "w"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+                        os.path.join(here, "ddp_worker.py"), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    train(head, recs, lm, TrainConfig(**dict(cfg, grad_accum=2)), log=lambda *_: None)
+    ddp = load_file(str(tmp_path / "trained.safetensors"))
+    for k, v in head.state_dict().items():
+        assert torch.allclose(ddp[k], v, atol=1e-6), k
+    assert not torch.allclose(ddp["fc.weight"], load_file(str(tmp_path / "head.safetensors"))["fc.weight"])
+
+
+def test_train_draft_under_torchrun_rank0_prepares_and_exports(tmp_path):
+    """`torchrun --nproc_per_node 2 -m training.train_draft ...` on the CPU: rank 0 regenerates and
+    captures while rank 1 waits, both train, rank 0 alone exports and reports."""
+    import gzip
+    import subprocess
+    import sys
+
+    target = tiny.build_target(tiny.deepseek_v3_config(num_layers=4, hidden=128, heads=4, vocab=512), seed=0)
+    tiny.save_target(target, tiny.train_tokenizer(512), str(tmp_path / "target"))
+    with gzip.open(tmp_path / "sg.jsonl.gz", "wt") as f:
+        for i in range(12):
+            f.write(json.dumps({"id": str(i), "messages": [{"role": "user", "content": f"how many apples {i}"},
+                                                           {"role": "assistant", "content": "x"}]}) + "\n")
+    with open(tmp_path / "gsm.jsonl", "w") as f:
+        for i in range(4):
+            f.write(json.dumps({"question": f"what is the total {i}", "answer": "#### 3"}) + "\n")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534",
+                        "-m", "training.train_draft", "--target", str(tmp_path / "target"), "--aux-layers", "0,1,2",
+                        "--max-new-tokens", "8", "--draft-vocab-size", "128", "--epochs", "1", "--ttt-steps", "2",
+                        "--eval-data", str(tmp_path / "gsm.jsonl"), "--eval-prompts", "2", "--eval-max-new-tokens", "8",
+                        "--device", "cpu", "--pack-tokens", "128", "--data", f"messages:{tmp_path / 'sg.jsonl.gz'}",
+                        "--work", str(tmp_path / "work"), "--out", str(tmp_path / "head")],
+                       capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stdout.count("[train-draft] regenerated") == 1 and p.stdout.count("[train-draft] exported") == 1
+    report = json.load(open(tmp_path / "head" / "training_report.json"))
+    assert report["world_size"] == 2 and report["train_conversations"] > 0

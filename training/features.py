@@ -42,16 +42,45 @@ class FeatureExtractor:
         self.capture = AuxCapture(target, aux_output_ids)
         self.device = next(target.parameters()).device
 
-    @torch.no_grad()
     def __call__(self, conv: Conversation) -> Features | None:
-        r = render(self.tok, conv.messages, self.reasoning, self.max_tokens)
-        if sum(r.loss_mask) == 0 or len(r.input_ids) < 4:
-            return None
-        ids = torch.tensor([r.input_ids], device=self.device)
-        out = self.target.model(input_ids=ids) if hasattr(self.target, "model") else None
-        last = out.last_hidden_state[0] if out is not None else self.target(ids, output_hidden_states=True).hidden_states[-1][0]
-        return Features(torch.tensor(r.input_ids), torch.tensor(r.loss_mask, dtype=torch.uint8),
-                        self.capture.concat()[0].to(self.dtype).cpu(), last.to(self.dtype).cpu())
+        return self.many([conv])[0]
+
+    def _last_hidden(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        if hasattr(self.target, "model"):
+            return self.target.model(input_ids=ids, attention_mask=attention).last_hidden_state
+        return self.target(ids, attention_mask=attention, output_hidden_states=True).hidden_states[-1]
+
+    @torch.no_grad()
+    def many(self, convs: list[Conversation], batch_tokens: int = 16384) -> list[Features | None]:
+        """Features of several conversations (None where nothing is trainable), computed in right-padded
+        batches of similar lengths: one target forward per batch, not per conversation (a GPU is
+        launch-bound on one short sequence at a time)."""
+        rendered = [render(self.tok, c.messages, self.reasoning, self.max_tokens) for c in convs]
+        out: list[Features | None] = [None] * len(convs)
+        todo = sorted((i for i, r in enumerate(rendered) if sum(r.loss_mask) and len(r.input_ids) >= 4),
+                      key=lambda i: len(rendered[i].input_ids))
+        batches, cur = [], []
+        for i in todo:  # ascending lengths: the newest member sets the padded width
+            if cur and len(rendered[i].input_ids) * (len(cur) + 1) > batch_tokens:
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        batches += [cur] if cur else []
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.tok.eos_token_id or 0)
+        for batch in batches:
+            lengths = [len(rendered[i].input_ids) for i in batch]
+            ids = torch.full((len(batch), max(lengths)), pad, dtype=torch.long)
+            attention = torch.zeros_like(ids)
+            for row, (i, n) in enumerate(zip(batch, lengths)):
+                ids[row, :n] = torch.tensor(rendered[i].input_ids)
+                attention[row, :n] = 1
+            last = self._last_hidden(ids.to(self.device), attention.to(self.device))
+            aux = self.capture.concat()
+            for row, (i, n) in enumerate(zip(batch, lengths)):
+                r = rendered[i]
+                out[i] = Features(torch.tensor(r.input_ids), torch.tensor(r.loss_mask, dtype=torch.uint8),
+                                  aux[row, :n].to(self.dtype).cpu(), last[row, :n].to(self.dtype).cpu())
+        return out
 
     def close(self):
         self.capture.remove()
@@ -86,14 +115,10 @@ def write_shards(extractor: FeatureExtractor, convs: list[Conversation], out_dir
             if any(s["file"] == name for s in manifest["shards"]):  # already captured
                 bar.update(len(chunk))
                 continue
-            records = []
-            for conv in chunk:
-                f = extractor(conv)
-                if f is None:
-                    manifest["skipped"] += 1
-                else:
-                    records.append(f)
-                bar.update(1)
+            found = extractor.many(chunk)
+            records = [f for f in found if f is not None]
+            manifest["skipped"] += len(found) - len(records)
+            bar.update(len(chunk))
             if records:
                 save_file(_pack(records), os.path.join(out_dir, name))
                 manifest["shards"].append({"file": name, "records": len(records),
@@ -112,8 +137,8 @@ def read_shards(out_dir: str) -> list[Features]:
     return records
 
 
-def online(extractor: FeatureExtractor, convs: list[Conversation]) -> Iterator[Features]:
-    for conv in convs:
-        f = extractor(conv)
-        if f is not None:
-            yield f
+def online(extractor: FeatureExtractor, convs: list[Conversation], chunk: int = 64) -> Iterator[Features]:
+    for k in range(0, len(convs), chunk):
+        for f in extractor.many(convs[k: k + chunk]):
+            if f is not None:
+                yield f

@@ -2,7 +2,8 @@
 built offline: the MLA scale target for measuring what Eagle3 drafting achieves on an MLA target.
 
 1. Student config: SmolLM2's width, depth, vocabulary and MLP; MLA attention with low-rank query and
-   key/value projections and decoupled RoPE (qk_nope 64 + qk_rope 64 per head, v 64); the last
+   key/value projections and decoupled RoPE (qk_nope 64 + qk_rope 64 per head, v 64; KV latent 512,
+   the width every SGLang MLA kernel serves -- 256 + rope 64 fails Triton's decode); the last
    `--moe-layers` layers MoE (4 routed experts, top-2, one shared expert) so the MoE path is served.
 2. Initialisation from SmolLM2 where shapes allow: embeddings, lm_head (SmolLM2 ties them), norms,
    MLPs (each routed expert a copy plus a little noise, the shared expert silent), o_proj exactly;
@@ -47,7 +48,7 @@ SGLANG_FIELDS = dict(moe_layer_freq=1, ep_size=1, num_nextn_predict_layers=0, to
                      scoring_func="sigmoid", n_group=1, topk_group=1, norm_topk_prob=True)
 
 
-def student_config(teacher_cfg, layers: int | None = None, q_lora_rank: int = 384, kv_lora_rank: int = 256,
+def student_config(teacher_cfg, layers: int | None = None, q_lora_rank: int = 384, kv_lora_rank: int = 512,
                    moe_layers: int = 2, n_experts: int = 4):
     from transformers import DeepseekV3Config
 
@@ -270,6 +271,40 @@ def gsm8k_answers(model, tokenizer, questions: list[str], device, max_new_tokens
     return out
 
 
+@torch.no_grad()
+def widen_kv_latent(model_dir: str, kv_lora_rank: int = 512) -> int:
+    """Rewrite a built checkpoint in place with a wider KV latent, computing exactly the same function:
+    the latent is repeated (RMSNorm over [c, c] equals RMSNorm over c), and kv_b_proj reads only the
+    first copy. For targets built with a latent SGLang's Triton MLA kernel cannot serve (256 + rope 64,
+    the default before 2026-11-30). Returns the old width."""
+    import glob
+
+    from safetensors.torch import load_file, save_file
+
+    cfg_path = os.path.join(model_dir, "config.json")
+    cfg = json.load(open(cfg_path))
+    old = int(cfg["kv_lora_rank"])
+    if kv_lora_rank == old:
+        return old
+    if kv_lora_rank % old:
+        raise ValueError(f"kv_lora_rank {kv_lora_rank} is not a multiple of the checkpoint's {old}: a repeated "
+                         "latent keeps the function exact only for whole copies")
+    copies = kv_lora_rank // old
+    for path in glob.glob(os.path.join(model_dir, "*.safetensors")):
+        sd = load_file(path)
+        for k, v in sd.items():
+            if k.endswith("kv_a_proj_with_mqa.weight"):  # rows: latent, then the shared rope key
+                sd[k] = torch.cat([v[:old]] * copies + [v[old:]], 0)
+            elif k.endswith("kv_a_layernorm.weight"):
+                sd[k] = torch.cat([v] * copies)
+            elif k.endswith("kv_b_proj.weight"):
+                sd[k] = torch.cat([v] + [torch.zeros_like(v)] * (copies - 1), 1)
+        save_file(sd, path, metadata={"format": "pt"})
+    cfg["kv_lora_rank"] = kv_lora_rank
+    json.dump(cfg, open(cfg_path, "w"), indent=2)
+    return old
+
+
 def save(student, tokenizer, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     student.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
@@ -351,7 +386,10 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="student depth (default: the teacher's)")
     ap.add_argument("--moe-layers", type=int, default=2)
     ap.add_argument("--q-lora-rank", type=int, default=384)
-    ap.add_argument("--kv-lora-rank", type=int, default=256)
+    ap.add_argument("--kv-lora-rank", type=int, default=512,
+                    help="KV latent width (512 with rope 64: the layout SGLang's MLA kernels all serve)")
+    ap.add_argument("--widen", metavar="DIR", help="only rewrite the checkpoint in DIR with --kv-lora-rank "
+                                                   "(exact; for targets built with a latent SGLang cannot serve)")
     ap.add_argument("--steps", type=int, default=1500 if gpu else 20)
     ap.add_argument("--batch", type=int, default=16 if gpu else 2)
     ap.add_argument("--seq-len", type=int, default=1024 if gpu else 128)
@@ -364,6 +402,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if gpu else "cpu")
     args = ap.parse_args(argv)
+    if args.widen:
+        old = widen_kv_latent(args.widen, args.kv_lora_rank)
+        print(f"[scale-target] {args.widen}: kv_lora_rank {old} -> {args.kv_lora_rank} (same function)")
+        return 0
+    from sglang_ext.draft_schema import triton_mla_errors
+
+    for e in triton_mla_errors("--kv-lora-rank", {"kv_lora_rank": args.kv_lora_rank, "qk_rope_head_dim": ROPE}):
+        ap.error(str(e))  # a target SGLang's Triton MLA kernel cannot decode is no scale target
     build(args)
     return 0
 

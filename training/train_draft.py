@@ -86,6 +86,8 @@ def parse_args(argv=None):
     ap.add_argument("--pack-tokens", type=int, default=None,
                     help="pack conversations into forwards of up to this many tokens (default: 4096 on CUDA, "
                          "0 = one conversation per forward on the CPU)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="profile this many optimizer steps after 2 warm-up steps and print the top operators")
     ap.add_argument("--max-train-minutes", type=float, default=None,
                     help="stop training after this long (a checkpoint is written; the export says so)")
     ap.add_argument("--seed", type=int, default=0)
@@ -154,20 +156,60 @@ def parse_head_overrides(items: list[str]) -> dict:
     return out
 
 
+def init_distributed(args):
+    """(world, rank, wait group) under torchrun; (1, 0, None) otherwise. Rank 0 alone regenerates and
+    captures features (offline shards) while the others wait on a gloo group with a long timeout."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 1, 0, None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(torch.device(args.device))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+    if args.features != "offline":
+        print("[train-draft] several ranks: features are captured offline by rank 0 and read by every rank")
+        args.features = "offline"
+    return world, dist.get_rank(), dist.new_group(backend="gloo", timeout=timedelta(hours=24))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.time()
+    world, rank, wait_group = init_distributed(args)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     os.makedirs(args.work, exist_ok=True)
-    print(f"[train-draft] target {args.target} on {device}; data {args.data}; format {args.draft_format}")
+    print(f"[train-draft] target {args.target} on {device}; data {args.data}; format {args.draft_format}"
+          + (f"; rank {rank} of {world}" if world > 1 else ""))
     tok = load_tokenizer(args.target)
     require_chat_template(tok)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_target(args.target, dtype=dtype, device=device)
     n_layers = text_config_of(target).num_hidden_layers
     aux_ids = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else default_output_ids(n_layers)
+    feat_dir = os.path.join(args.work, "features")
+    if rank == 0:
+        records, records_held = prepare_features(args, tok, target, aux_ids, device, feat_dir)
+    if wait_group is not None:
+        import torch.distributed as dist
 
+        held = [len(records_held) if rank == 0 else None]
+        dist.barrier(group=wait_group)
+        dist.broadcast_object_list(held, src=0, group=wait_group)
+        if rank != 0:
+            records = read_shards(feat_dir)
+            records_held, records = records[: held[0]], records[held[0]:]
+    n_tok = sum(len(r.input_ids) for r in records)
+    return train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, device, rank, t0)
+
+
+def prepare_features(args, tok, target, aux_ids, device, feat_dir):
+    """Steps 1-3 (data, regeneration, features) -> (train records, held-out records)."""
     # 1. data
     report = data_mod.LoadReport()
     convs = []
@@ -202,7 +244,6 @@ def main(argv=None) -> int:
     extractor = FeatureExtractor(target, tok, aux_ids, max_tokens=args.max_tokens, reasoning=args.reasoning,
                                  dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     t = time.time()
-    feat_dir = os.path.join(args.work, "features")
     if args.features == "offline":
         write_shards(extractor, convs, feat_dir, meta={"target": args.target, "aux_output_ids": aux_ids})
         records = read_shards(feat_dir)
@@ -214,7 +255,11 @@ def main(argv=None) -> int:
     n_tok = sum(len(r.input_ids) for r in records)
     print(f"[train-draft] features: {len(records)} train / {len(records_held)} held-out conversations, "
           f"{n_tok} tokens, aux layers {aux_ids}, in {time.time() - t:.0f}s")
+    return records, records_held
 
+
+def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, device, rank, t0) -> int:
+    n_layers = text_config_of(target).num_hidden_layers
     # 4. the head
     vocab = text_config_of(target).vocab_size
     dv = min(args.draft_vocab_size, vocab)
@@ -234,7 +279,7 @@ def main(argv=None) -> int:
     lm_head = target.get_output_embeddings().weight.detach()
     tcfg = TrainConfig(ttt_steps=args.ttt_steps, lr=args.lr, epochs=args.epochs, max_steps=args.max_steps,
                        grad_accum=args.grad_accum, max_tokens=args.max_tokens, seed=args.seed,
-                       pack_tokens=args.pack_tokens,
+                       pack_tokens=args.pack_tokens, profile_steps=args.profile_steps,
                        max_seconds=None if args.max_train_minutes is None else 60 * args.max_train_minutes,
                        bf16=device.type == "cuda" and args.precision == "bf16")
     untrained = None
@@ -250,6 +295,8 @@ def main(argv=None) -> int:
           f"({metrics.get('tokens_trained', 0) / max(train_s, 1e-9):.0f} tokens/s); last loss {metrics.get('loss', 0):.3f}"
           + (" -- stopped early by --max-train-minutes" if metrics.get("stopped_early") else ""))
 
+    if rank != 0:  # every rank holds the same weights; rank 0 exports and measures
+        return 0
     # 5. export + estimates
     head.save_pretrained(args.out)
     tok.save_pretrained(args.out)
@@ -257,12 +304,14 @@ def main(argv=None) -> int:
     est = acceptance_estimate(target, head, prompts, args.eval_steps, args.eval_max_new_tokens, eos)
     result = {"target": args.target, "draft_format": args.draft_format, "aux_output_ids": aux_ids,
               "draft_vocab_size": dv, "train_conversations": len(records), "train_tokens": n_tok,
-              "train_seconds": train_s, "train_tokens_per_s": metrics.get("tokens_trained", 0) / max(train_s, 1e-9),
+              "train_seconds": train_s,
+              "train_tokens_per_s": metrics.get("tokens_trained", 0) * int(os.environ.get("WORLD_SIZE", "1"))
+              / max(train_s, 1e-9),  # all ranks (each trains an equal share)
               "final_metrics": metrics, "held_out_accuracy_per_step": held_acc,
               "acceptance": {"eval_data": eval_path, "prompts": len(prompts), "chain_steps": args.eval_steps,
                              "max_new_tokens": args.eval_max_new_tokens,
                              "trained": est, "untrained": untrained},
-              "wall_seconds": time.time() - t0}
+              "world_size": int(os.environ.get("WORLD_SIZE", "1")), "wall_seconds": time.time() - t0}
     with open(os.path.join(args.out, "training_report.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"[train-draft] exported {args.out} ({cfg.architecture}); held-out per-step accuracy "

@@ -8,7 +8,8 @@ For a sequence x_0..x_{T-1} with target aux states A_t and target next-token log
 Loss: soft cross-entropy against the target's distribution over the draft vocabulary, on positions
 whose predicted token is an assistant token, weighted decay^k. AdamW, cosine schedule with warmup,
 gradient clipping and accumulation; checkpoints hold the full state (weights, optimizer, schedule,
-step, RNG) in safetensors and resume exactly; data parallel with torchrun (DDP) when WORLD_SIZE > 1.
+step, RNG) in safetensors and resume exactly; data parallel under torchrun when WORLD_SIZE > 1 (each
+rank takes its share of a step's units, gradients are summed before clipping).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class TrainConfig:
     bf16: bool = False  # autocast on CUDA
     pack_tokens: int = 0  # > 0: conversations packed into forwards of up to this many tokens (GPU)
     max_seconds: float | None = None  # stop early (checkpoint written, logged) after this much training time
+    profile_steps: int = 0  # > 0: profile this many optimizer steps (after 2 warm-up steps) and log the top ops
 
 
 def draft_vocabulary(records: list[Features], size: int, vocab_size: int) -> torch.Tensor:
@@ -239,13 +241,15 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     would, after writing a checkpoint). Returns the final metrics."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     device = next(head.parameters()).device
-    model = head
+    dist = None
     if world > 1:
+        # data parallel by hand: the TTT unroll calls the head several times per backward, which
+        # DistributedDataParallel's one-forward-one-backward bookkeeping does not allow; gradients are
+        # summed across ranks before clipping, so every rank takes the same optimizer step
         import torch.distributed as dist
 
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        model = torch.nn.parallel.DistributedDataParallel(head, device_ids=[device.index] if device.type == "cuda" else None)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     lm_rows = target_lm_head.to(device).float()[head.target_logits_index()]
@@ -258,7 +262,8 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     per_epoch = math.ceil(len(units) / (cfg.grad_accum * world))
     total = cfg.max_steps or per_epoch * cfg.epochs
     step = 0
-    identity = {"train_config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "max_seconds"}, "head_config": head.config.to_dict(),
+    identity = {"train_config": {k: v for k, v in dataclasses.asdict(cfg).items()
+                                 if k not in ("max_seconds", "profile_steps")}, "head_config": head.config.to_dict(),
                 "records": len(records), "world_size": world}
     if checkpoint_dir and resume and os.path.exists(os.path.join(checkpoint_dir, "trainer.json")):
         saved = json.load(open(os.path.join(checkpoint_dir, "trainer.json")))
@@ -268,17 +273,25 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
                              "the same options, or use a new work directory")
         step = load_checkpoint(checkpoint_dir, head, opt)["step"]
         log(f"resumed from {checkpoint_dir} at optimizer step {step}")
+    if dist is not None:  # one starting point on every rank
+        for p in params:
+            dist.broadcast(p.data, src=0)
     metrics = {}
     t_start, tokens_trained = time.time(), 0
     bar = tqdm(total=total, initial=step, desc="train draft", unit="step", disable=rank != 0,
                mininterval=5)
+    profiler, first_step = None, step
     while step < total:
+        if cfg.profile_steps and step == first_step + 2 and profiler is None:
+            profiler = _start_profiler(device)
+        if profiler is not None and step == first_step + 2 + cfg.profile_steps:
+            _log_profile(profiler, device, cfg.profile_steps, log)
+            profiler = None
         epoch, within = divmod(step, per_epoch)
         order = torch.randperm(len(units), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
-        order = order[rank::world]
-        start = within * cfg.grad_accum
-        batch = order[start: start + cfg.grad_accum]
-        if not batch:
+        full = order[within * cfg.grad_accum * world: (within + 1) * cfg.grad_accum * world]  # this step's units
+        batch = full[rank::world]  # this rank's share
+        if not full:
             step += 1
             continue
         for group in opt.param_groups:
@@ -288,18 +301,23 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
         for u in batch:
             fs = [_truncated(records[i], cfg.max_tokens) for i in units[u]]
             tokens_trained += sum(len(x.input_ids) for x in fs)
-            loss, acc, cnt = ttt_loss(model if world == 1 else model.module, fs if len(fs) > 1 else fs[0], lm_rows,
+            loss, acc, cnt = ttt_loss(head, fs if len(fs) > 1 else fs[0], lm_rows,
                                       cfg.ttt_steps, cfg.decay, device, cfg.bf16 and device.type == "cuda")
             if not torch.isfinite(loss):  # stop before a NaN reaches the weights, the checkpoint or the export
                 raise FloatingPointError(f"non-finite TTT loss ({float(loss)}) at optimizer step {step}, records "
                                          f"{units[u]}; "
                                          f"nothing was saved for this step. Lower --lr (now {cfg.lr}) or train "
                                          "without bf16 autocast")
-            (loss / len(batch)).backward()
+            (loss / len(full)).backward()  # the mean over the step's units, whichever rank holds them
             loss_sum += float(loss.detach())
             for k in range(len(acc)):
                 acc_sum[k] += acc[k]
                 cnt_sum[k] += cnt[k]
+        if dist is not None:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(f"non-finite gradient norm at optimizer step {step}; the weights were not "
@@ -307,7 +325,7 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
         opt.step()
         step += 1
         bar.update(1)
-        metrics = {"step": step, "loss": loss_sum / len(batch), "lr": opt.param_groups[0]["lr"],
+        metrics = {"step": step, "loss": loss_sum / max(1, len(batch)), "lr": opt.param_groups[0]["lr"],
                    "accuracy_per_step": [a / c if c else 0.0 for a, c in zip(acc_sum, cnt_sum)],
                    "tokens_trained": tokens_trained, "total_steps": total}
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['accuracy_per_step'][0]:.2f}")
@@ -323,7 +341,28 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
             metrics["stopped_early"] = True
             break
     bar.close()
+    if profiler is not None:
+        _log_profile(profiler, device, step - first_step - 2, log)
     return metrics
+
+
+def _start_profiler(device):
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    p = profile(activities=acts)
+    p.__enter__()
+    return p
+
+
+def _log_profile(p, device, steps: int, log) -> None:
+    """Where a training step's time goes: the top operators over `steps` optimizer steps."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    p.__exit__(None, None, None)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    log(f"profile of {steps} optimizer steps (top operators by {key}):\n"
+        + p.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
 
 
 @torch.no_grad()

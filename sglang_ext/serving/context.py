@@ -33,6 +33,15 @@ def server_args():
         return None
 
 
+def decode_backends() -> tuple[str | None, str | None]:
+    """(target, draft) decode attention backends as configured (None: SGLang picks at start)."""
+    args = server_args()
+    if args is None:
+        return None, None
+    target = getattr(args, "decode_attention_backend", None) or getattr(args, "attention_backend", None)
+    return target, getattr(args, "speculative_draft_attention_backend", None) or target
+
+
 def server_draft_path() -> str | None:
     args = server_args()
     return getattr(args, "speculative_draft_model_path", None) if args is not None else None

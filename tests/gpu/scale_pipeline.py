@@ -68,6 +68,11 @@ def save(name: str, obj) -> None:
 
 def step_build() -> None:
     if os.path.exists(f"{TARGET}/scale_target_report.json"):
+        from training.scale_target import widen_kv_latent
+
+        old = widen_kv_latent(TARGET, 512)  # a target built before the 512 default (exact rewrite)
+        if old != 512:
+            say(f"build: existing target widened, kv_lora_rank {old} -> 512")
         return
     import check_scale_target as CST
 
@@ -88,8 +93,8 @@ TRAIN_COMMON = ["--target", TARGET, "--turns", "first", "--max-new-tokens", "256
                 "--epochs", "4", "--lr", "2e-3", "--grad-accum", "2", "--ttt-steps", "7",
                 "--eval-data", f"{DATA}/gsm8k-test.jsonl", "--eval-prompts", "64", "--eval-max-new-tokens", "128",
                 "--device", "cuda", "--max-train-minutes", os.environ.get("TRAIN_MINUTES", "5")]
-TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRAIN_SHAREGPT', '3000')}",
-              "--data", f"gsm8k:{DATA}/gsm8k-train.jsonl:{os.environ.get('TRAIN_GSM8K', '3000')}"]
+TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRAIN_SHAREGPT', '2000')}",
+              "--data", f"gsm8k:{DATA}/gsm8k-train.jsonl:{os.environ.get('TRAIN_GSM8K', '1500')}"]
 
 
 def start_trainer(fmt: str, work: str, regen_url: str | None) -> subprocess.Popen:
@@ -155,7 +160,7 @@ def step_target_and_regen() -> dict:
                                                      "output_tokens": sum(len(r["ids"]) for r in rows)}
         state.setdefault("outputs", {})["target"] = [r["ids"] for r in rows]
         json.dump(state, open(state_path, "w"))
-        with cf.ThreadPoolExecutor(16) as pool:
+        with cf.ThreadPoolExecutor(1) as pool:  # one at a time: batch composition changes bf16 numerics
             srows = list(pool.map(lambda p: srv.post("/generate", {
                 "input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": CST.MAX_NEW}})["output_ids"],
                 greedy_prompts))
@@ -171,12 +176,12 @@ def step_target_and_regen() -> dict:
                      "--out", f"{RESULTS}/gsm8k-nospec"])
         say(f"target: GSM8K eval (no spec, 200 questions, 5-shot chat) rc {rc} in {time.time() - t:.0f}s")
         if need_regen:
-            ok = wait_for(f"{ROOT}/train-mha.log", "[train-draft] regenerated", trainers["mha"], max(60, left() - 900))
+            ok = wait_for(f"{ROOT}/train-mha.log", "[train-draft] regenerated", trainers["mha"], max(60, left() - 600))
             say(f"target: regeneration {'done' if ok else 'NOT done'}")
     srv2 = Server("scale-target-upstream", CS.server_args(None, []), {"SGLANG_PLUGINS": "none"})
     with srv2:
         if srv2.wait_ready(300):
-            with cf.ThreadPoolExecutor(16) as pool:
+            with cf.ThreadPoolExecutor(1) as pool:
                 urows = list(pool.map(lambda p: srv2.post("/generate", {
                     "input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": CST.MAX_NEW}})["output_ids"],
                     greedy_prompts))
@@ -240,6 +245,8 @@ def step_arms() -> None:
 
 def run() -> int:
     os.makedirs(RESULTS, exist_ok=True)
+    if os.path.exists(f"{ROOT}/progress.log"):
+        os.replace(f"{ROOT}/progress.log", f"{ROOT}/progress.prev.log")
     try:
         step_build()
         trainers = step_target_and_regen()
