@@ -297,7 +297,7 @@ def main(argv=None) -> int:
         report["arms"][name] = s
         report.setdefault("samples", {})[name] = [{"question": q["question"][:200], "output": r["text"][:400]}
                                                   for q, r in list(zip(rows, results))[:3]]
-    if "no-spec" in report["arms"]:
+    if "spec" in report["arms"] and "no-spec" in report["arms"]:
         a, b = report["arms"]["spec"], report["arms"]["no-spec"]
         report["compare"] = {"mcnemar_strict": mcnemar(flags["spec"], flags["no-spec"]),
                              "accuracy_delta_strict": a["strict"]["accuracy"] - b["strict"]["accuracy"],

@@ -406,7 +406,8 @@ def test_train_draft_under_torchrun_rank0_prepares_and_exports(tmp_path):
                         "-m", "training.train_draft", "--target", str(tmp_path / "target"), "--aux-layers", "0,1,2",
                         "--max-new-tokens", "8", "--draft-vocab-size", "128", "--epochs", "1", "--ttt-steps", "2",
                         "--eval-data", str(tmp_path / "gsm.jsonl"), "--eval-prompts", "2", "--eval-max-new-tokens", "8",
-                        "--device", "cpu", "--pack-tokens", "128", "--data", f"messages:{tmp_path / 'sg.jsonl.gz'}",
+                        "--device", "cpu", "--pack-tokens", "128", "--max-train-minutes", "0",  # ranks stop together
+                        "--data", f"messages:{tmp_path / 'sg.jsonl.gz'}",
                         "--work", str(tmp_path / "work"), "--out", str(tmp_path / "head")],
                        capture_output=True, text=True, timeout=300,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -414,3 +415,4 @@ def test_train_draft_under_torchrun_rank0_prepares_and_exports(tmp_path):
     assert p.stdout.count("[train-draft] regenerated") == 1 and p.stdout.count("[train-draft] exported") == 1
     report = json.load(open(tmp_path / "head" / "training_report.json"))
     assert report["world_size"] == 2 and report["train_conversations"] > 0
+    assert report["final_metrics"]["step"] == 1 and report["final_metrics"]["stopped_early"]

@@ -289,9 +289,11 @@ def widen_kv_latent(model_dir: str, kv_lora_rank: int = 512) -> int:
     if kv_lora_rank % old:
         raise ValueError(f"kv_lora_rank {kv_lora_rank} is not a multiple of the checkpoint's {old}: a repeated "
                          "latent keeps the function exact only for whole copies")
-    copies = kv_lora_rank // old
+    copies, rope = kv_lora_rank // old, int(cfg["qk_rope_head_dim"])
     for path in glob.glob(os.path.join(model_dir, "*.safetensors")):
         sd = load_file(path)
+        if any(k.endswith("kv_a_proj_with_mqa.weight") and v.shape[0] == kv_lora_rank + rope for k, v in sd.items()):
+            continue  # widened by an interrupted earlier call (the config is written last)
         for k, v in sd.items():
             if k.endswith("kv_a_proj_with_mqa.weight"):  # rows: latent, then the shared rope key
                 sd[k] = torch.cat([v[:old]] * copies + [v[old:]], 0)
@@ -299,7 +301,8 @@ def widen_kv_latent(model_dir: str, kv_lora_rank: int = 512) -> int:
                 sd[k] = torch.cat([v] * copies)
             elif k.endswith("kv_b_proj.weight"):
                 sd[k] = torch.cat([v] + [torch.zeros_like(v)] * (copies - 1), 1)
-        save_file(sd, path, metadata={"format": "pt"})
+        save_file(sd, path + ".tmp", metadata={"format": "pt"})
+        os.replace(path + ".tmp", path)
     cfg["kv_lora_rank"] = kv_lora_rank
     json.dump(cfg, open(cfg_path, "w"), indent=2)
     return old

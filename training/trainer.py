@@ -330,6 +330,10 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
                    "tokens_trained": tokens_trained, "total_steps": total}
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['accuracy_per_step'][0]:.2f}")
         out_of_time = cfg.max_seconds is not None and time.time() - t_start > cfg.max_seconds
+        if dist is not None and cfg.max_seconds is not None:  # every rank stops at the same step, or one hangs
+            flag = torch.tensor([float(out_of_time)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            out_of_time = bool(flag.item())
         if checkpoint_dir and rank == 0 and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
                                              or step == total or step == stop_after or out_of_time):
             save_checkpoint(checkpoint_dir, head, opt, step, {"total_steps": total, "identity": identity})

@@ -16,7 +16,8 @@ trainer, evaluation, head formats, worker + metrics). Steps, each skipped when i
 
 Started detached (a device `run` kills what it leaves running unless it has its own session):
 
-    setsid nohup python tests/gpu/scale_pipeline.py run > /tmp/scale/pipeline.log 2>&1 &
+    mkdir -p /tmp/scale && rm -f /tmp/scale/progress.log   # the watcher stops at a DONE/FAILED line
+    (setsid nohup python tests/gpu/scale_pipeline.py run > /tmp/scale/pipeline.log 2>&1 < /dev/null &)
     python tests/gpu/scale_pipeline.py watch 560     # prints progress; copies results to $OUT when done
 
 Environment: PIPE_DEADLINE (epoch seconds: no step starts that cannot end before it), TEACHER (a
@@ -92,19 +93,34 @@ def step_build() -> None:
 TRAIN_COMMON = ["--target", TARGET, "--turns", "first", "--max-new-tokens", "256", "--draft-vocab-size", "16384",
                 "--epochs", "4", "--lr", "2e-3", "--grad-accum", "2", "--ttt-steps", "7",
                 "--eval-data", f"{DATA}/gsm8k-test.jsonl", "--eval-prompts", "64", "--eval-max-new-tokens", "128",
-                "--device", "cuda", "--max-train-minutes", os.environ.get("TRAIN_MINUTES", "5")]
-TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRAIN_SHAREGPT', '2000')}",
-              "--data", f"gsm8k:{DATA}/gsm8k-train.jsonl:{os.environ.get('TRAIN_GSM8K', '1500')}"]
+                "--device", "cuda", "--max-train-minutes", os.environ.get("TRAIN_MINUTES", "5"), "--profile-steps", "3"]
+TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRAIN_SHAREGPT', '1500')}",
+              "--data", f"gsm8k:{DATA}/gsm8k-train.jsonl:{os.environ.get('TRAIN_GSM8K', '3000')}"]
+
+
+STARTED: list[subprocess.Popen] = []  # ended if the pipeline fails
 
 
 def start_trainer(fmt: str, work: str, regen_url: str | None) -> subprocess.Popen:
     cmd = [PY, "-m", "training.train_draft", *TRAIN_COMMON, *TRAIN_DATA, "--work", work, "--draft-format", fmt,
            "--out", f"{CHECK_WORK}/head-{fmt}"]
     if regen_url:
-        cmd += ["--regen-server", regen_url, "--regen-concurrency", "64"]
+        cmd += ["--regen-server", regen_url, "--regen-concurrency", "256"]
     say(f"heads: start {fmt} trainer")
-    return subprocess.Popen(cmd, cwd=REPO, stdout=open(f"{ROOT}/train-{fmt}.log", "a"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(f"{ROOT}/train-{fmt}.log", "w"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))  # "w": log lines are waited for
+    STARTED.append(proc)
+    return proc
+
+
+def start_mla_trainer() -> subprocess.Popen:
+    """The MLA head on the MHA run's regenerated data and features (linked, not recomputed)."""
+    w2 = f"{ROOT}/train-mla"
+    os.makedirs(w2, exist_ok=True)
+    for name in ("regenerated.jsonl", "features"):
+        if not os.path.exists(f"{w2}/{name}"):
+            os.symlink(f"{ROOT}/train-mha/{name}", f"{w2}/{name}")
+    return start_trainer("mla", w2, None)
 
 
 def log_has(path: str, text: str) -> bool:
@@ -140,9 +156,15 @@ def step_target_and_regen() -> dict:
     greedy_prompts = CST.prompts(tok)
     trainers = {}
     need_regen = not os.path.exists(f"{CHECK_WORK}/head-mha/model.safetensors")
+    mla_missing = not os.path.exists(f"{CHECK_WORK}/head-mla/model.safetensors")
     if "reference" in state and os.path.exists(f"{RESULTS}/scale_greedy.json") and not need_regen:
+        if mla_missing and os.path.exists(f"{ROOT}/train-mha/features/manifest.json"):
+            trainers["mla"] = start_mla_trainer()
         return trainers
-    srv = Server("scale-target-plugin", CS.server_args(None, []))
+    # room for the regeneration: 256 in flight (a 135M target's decode step is dominated by fixed
+    # per-step costs, ~25 conversations/s at 64 in flight on an H200)
+    wide = ["--max-running-requests", "256", "--cuda-graph-bs-decode", *"1 2 4 8 16 32 64 128 256".split()]
+    srv = Server("scale-target-plugin", CS.server_args(None, []) + wide)
     say("target: server starting; transformers fp32 greedy meanwhile")
     ref = CST.transformers_greedy(greedy_prompts)
     if not srv.wait_ready(400):
@@ -194,19 +216,20 @@ def step_target_and_regen() -> dict:
     save("scale_greedy.json", greedy)
     if "mha" in trainers:
         ok = wait_for(f"{ROOT}/train-mha.log", "[train-draft] features:", trainers["mha"], max(60, left() - 700))
-        if ok and not os.path.exists(f"{CHECK_WORK}/head-mla/model.safetensors"):
-            w2 = f"{ROOT}/train-mla"
-            os.makedirs(w2, exist_ok=True)
-            for name in ("regenerated.jsonl", "features"):
-                if not os.path.exists(f"{w2}/{name}"):
-                    os.symlink(f"{ROOT}/train-mha/{name}", f"{w2}/{name}")
-            trainers["mla"] = start_trainer("mla", w2, None)
+        if ok and mla_missing:
+            trainers["mla"] = start_mla_trainer()
+    elif mla_missing and os.path.exists(f"{ROOT}/train-mha/features/manifest.json"):
+        trainers["mla"] = start_mla_trainer()
     return trainers
 
 
 def step_wait_trainers(trainers: dict) -> None:
     for fmt, proc in trainers.items():
-        rc = proc.wait()
+        try:
+            rc = proc.wait(timeout=max(30.0, left() - 240))  # leave time for at least one serving arm
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "killed at the deadline"
         tail = [line for line in open(f"{ROOT}/train-{fmt}.log", errors="replace").read().replace("\r", "\n").splitlines()
                 if line.startswith("[train-draft]") or "Error" in line]
         say(f"heads: {fmt} trainer rc {rc}\n  " + "\n  ".join(tail[-12:]))
@@ -257,6 +280,9 @@ def run() -> int:
         import traceback
 
         say(f"FAILED: {e!r}\n{traceback.format_exc()[-3000:]}")
+        for proc in STARTED:
+            if proc.poll() is None:
+                proc.kill()
         return 1
     return 0
 
