@@ -1,0 +1,42 @@
+"""The GPU scripts (tests/gpu/) cannot run here, but a wrong flag in them costs device time: their
+trainer and server command lines are parsed by the real parsers (train_draft's and SGLang 0.5.17's
+ServerArgs) on the CPU. In a subprocess: importing the pipeline sets its environment defaults."""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHECK = """
+import argparse, json, sys
+sys.path.insert(0, "tests/gpu")
+import check_scale_target, check_serving as CS, scale_pipeline as SP
+from training.train_draft import parse_args
+from sglang.srt.server_args import ServerArgs
+
+args = parse_args(SP.TRAIN_COMMON + SP.TRAIN_DATA + ["--work", "/tmp/w", "--draft-format", "mla", "--out", "/tmp/o",
+                                                      "--regen-server", "http://x", "--regen-concurrency", "256"])
+p = argparse.ArgumentParser()
+ServerArgs.add_cli_args(p)
+lines = {}
+for name, (head, drafting, env, refuse, max_new) in CS.ARMS.items():
+    a = p.parse_args(CS.server_args(None if head is None else head.replace("-upstream", ""), drafting))
+    lines[name] = [a.speculative_algorithm, a.speculative_eagle_topk, a.disable_overlap_schedule, a.enable_fp32_lm_head,
+                   a.max_running_requests]
+print(json.dumps({"train": [args.pack_tokens, args.profile_steps, args.max_train_minutes, args.ttt_steps,
+                            args.draft_format], "arms": lines}))
+"""
+
+
+def test_gpu_script_command_lines_parse():
+    env = dict(os.environ, GPU_CHECK_EXTRA_ARGS="--enable-fp32-lm-head", GPU_CHECK_WORK="/tmp/gpu-script-check")
+    p = subprocess.run([sys.executable, "-c", CHECK], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["train"] == [4096, 3, 5.0, 7, "mla"]  # the pipeline passes --device cuda: the GPU defaults
+    arms = r["arms"]
+    assert arms["target"][0] is None and arms["mha-chain"][:2] == ["EAGLE3", 1] and arms["mla-tree"][1] == 4
+    assert arms["mha-chain-no-overlap"][2] is True and arms["mha-chain"][2] is False
+    assert all(a[3] is True and a[4] == 64 for a in arms.values())
