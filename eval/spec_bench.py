@@ -171,7 +171,8 @@ def server_args(arm: str, max_bs: int, mem_fraction: float) -> tuple[list[str], 
     bs = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b <= max_bs]
     args = ["--model-path", f"{WORK}/target", "--load-format", "dummy", "--attention-backend", "triton",
             "--mem-fraction-static", str(mem_fraction), "--max-running-requests", str(max_bs),
-            "--cuda-graph-bs-decode", *map(str, bs), "--disable-prefill-cuda-graph"]
+            "--cuda-graph-bs-decode", *map(str, bs), "--disable-prefill-cuda-graph",
+            "--tp-size", os.environ.get("SPEC_BENCH_TP", "1")]  # TP=2 on nvidia-h200-x2 (the TP issue)
     if head is not None:
         args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", f"{WORK}/head-{head}",
                  *drafting]

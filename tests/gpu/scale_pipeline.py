@@ -267,6 +267,27 @@ def step_arms() -> None:
         say("arms: reference eval: " + open(f"{ROOT}/eval-reference.log", errors="replace").read()[-600:])
 
 
+def step_specforge() -> None:
+    """Our training step vs SpecForge's on an 8B-class head (training/bench_vs_specforge.py), if the
+    wheel was carried (.gpu-state/wheels) and time is left; --profile prints our top CUDA ops."""
+    import glob
+
+    wheels = glob.glob(os.path.join(REPO, ".gpu-state", "wheels", "specforge-*.whl"))
+    if not wheels or left() < 150 or os.path.exists(f"{RESULTS}/specforge.json"):
+        say(f"specforge: skipped ({'no wheel' if not wheels else 'no time' if left() < 150 else 'done'})")
+        return
+    if not os.path.exists("/tmp/sfsite/specforge"):
+        subprocess.run([PY, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", "/tmp/sfsite",
+                        wheels[0]], check=True)
+    env = dict(os.environ, PYTHONPATH="/tmp/sfsite:" + os.environ.get("PYTHONPATH", ""))
+    try:
+        p = subprocess.run([PY, "-m", "training.bench_vs_specforge", "--profile", "--json", f"{RESULTS}/specforge.json"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=max(60, left() - 30))
+        say(f"specforge: rc {p.returncode}\n{(p.stdout + p.stderr)[-2500:]}")
+    except subprocess.TimeoutExpired:
+        say("specforge: stopped at the deadline")
+
+
 def run() -> int:
     os.makedirs(RESULTS, exist_ok=True)
     if os.path.exists(f"{ROOT}/progress.log"):
@@ -276,6 +297,7 @@ def run() -> int:
         trainers = step_target_and_regen()
         step_wait_trainers(trainers)
         step_arms()
+        step_specforge()
         say("DONE")
     except BaseException as e:  # noqa: BLE001 -- the watcher must see how it ended
         import traceback
