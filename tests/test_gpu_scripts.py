@@ -25,7 +25,7 @@ for name, (head, drafting, env, refuse, max_new) in CS.ARMS.items():
     a = p.parse_args(CS.server_args(None if head is None else head.replace("-upstream", ""), drafting))
     lines[name] = [a.speculative_algorithm, a.speculative_eagle_topk, a.disable_overlap_schedule, a.enable_fp32_lm_head,
                    a.max_running_requests]
-print(json.dumps({"train": [args.pack_tokens, args.profile_steps, args.max_train_minutes, args.ttt_steps,
+print(json.dumps({"train": [args.batch_tokens, args.profile_steps, args.max_train_minutes, args.ttt_steps,
                             args.draft_format], "arms": lines}))
 """
 

@@ -188,11 +188,11 @@ def test_resume_gives_the_same_weights(tiny_pair, tmp_path):
                    if n == "fc.weight")
 
 
-def test_packed_conversations_do_not_see_each_other(tiny_pair):
-    """Packing (GPU default) is one forward over several conversations: each keeps its own positions
-    and attention, so a pack of a conversation with itself scores exactly like the conversation alone,
-    and the accuracy counts of a pack are the sums of its members'."""
-    from training.trainer import pack, ttt_loss
+def test_batched_conversations_do_not_see_each_other(tiny_pair):
+    """Batching (GPU default) is one forward over several right-padded conversations: a batch of a
+    conversation with itself scores exactly like the conversation alone, and the accuracy counts of a
+    batch of different lengths are the sums of its members' (padding never selected, never attended)."""
+    from training.trainer import batches, ttt_loss
 
     recs, lm = _features_and_lm(tiny_pair, n=3)
     head = _head(tiny_pair, recs)
@@ -202,18 +202,21 @@ def test_packed_conversations_do_not_see_each_other(tiny_pair):
         alone = [ttt_loss(head, r, rows, 3, 0.8, cpu) for r in recs]
         twice, acc2, cnt2 = ttt_loss(head, [recs[0], recs[0]], rows, 3, 0.8, cpu)
         _, acc3, cnt3 = ttt_loss(head, recs, rows, 3, 0.8, cpu)
+    lens = [len(r.input_ids) for r in recs]
+    assert len(set(lens)) > 1  # the batch really is padded
     assert torch.allclose(twice, alone[0][0], atol=1e-5)
     assert acc2 == [2 * a for a in alone[0][1]] and cnt2 == [2 * c for c in alone[0][2]]
     assert acc3 == [sum(a[1][k] for a in alone) for k in range(3)]
     assert cnt3 == [sum(a[2][k] for a in alone) for k in range(3)] and cnt3[0] > 0
-    lens = [len(r.input_ids) for r in recs]
-    assert pack(recs, [2, 0, 1], lens[2] + lens[0], 10 ** 6) == [[2, 0], [1]]
-    assert pack(recs, [0, 1, 2], 1, 10 ** 6) == [[0], [1], [2]]  # a conversation longer than a pack is its own
+    by_length = sorted([2, 0, 1], key=lambda i: lens[i])  # stable: ties keep the given order
+    assert batches(recs, [2, 0, 1], 10 ** 6, 10 ** 6) == [by_length]  # one bucket, sorted by length
+    assert batches(recs, [2, 0, 1], 1, 10 ** 6) == [[i] for i in by_length]  # a conversation alone if need be
+    assert batches(recs, [0, 1, 2], 2 * max(lens), 10 ** 6, bucket=2) == [sorted([0, 1], key=lambda i: lens[i]), [2]]
 
 
-def test_packed_training_learns_and_resumes(tiny_pair, tmp_path):
+def test_batched_training_learns_and_resumes(tiny_pair, tmp_path):
     recs, lm = _features_and_lm(tiny_pair, n=6)
-    cfg = TrainConfig(ttt_steps=2, lr=5e-3, max_steps=4, grad_accum=1, pack_tokens=64, seed=1)
+    cfg = TrainConfig(ttt_steps=2, lr=5e-3, max_steps=4, grad_accum=1, batch_tokens=64, seed=1)
     torch.manual_seed(0)
     full = _head(tiny_pair, recs)
     first = train(full, recs, lm, dataclasses.replace(cfg, max_steps=1), log=lambda *_: None)
@@ -350,7 +353,7 @@ def test_decoder_layer_can_start_from_a_target_layer(tiny_pair):
 def test_profile_option_logs_where_the_step_time_goes(tiny_pair):
     recs, lm = _features_and_lm(tiny_pair)
     said = []
-    train(_head(tiny_pair, recs), recs, lm, TrainConfig(ttt_steps=2, max_steps=4, profile_steps=1, pack_tokens=64),
+    train(_head(tiny_pair, recs), recs, lm, TrainConfig(ttt_steps=2, max_steps=4, profile_steps=1, batch_tokens=64),
           log=said.append)
     (table,) = [x for x in said if x.startswith("profile of 1 optimizer steps")]
     assert "aten::" in table and "Self CPU" in table
@@ -373,7 +376,7 @@ def test_data_parallel_training_equals_one_process_with_the_same_global_batch(ti
     save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(tmp_path / "head.safetensors"))
     save_file({"w": lm.contiguous()}, str(tmp_path / "lm.safetensors"))
     json.dump(head.config.to_dict(), open(tmp_path / "head.json", "w"))
-    cfg = dict(ttt_steps=2, lr=5e-3, max_steps=3, grad_accum=1, pack_tokens=40, seed=3)
+    cfg = dict(ttt_steps=2, lr=5e-3, max_steps=3, grad_accum=1, batch_tokens=40, seed=3)
     json.dump(cfg, open(tmp_path / "train.json", "w"))
     here = os.path.dirname(os.path.abspath(__file__))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
@@ -406,7 +409,7 @@ def test_train_draft_under_torchrun_rank0_prepares_and_exports(tmp_path):
                         "-m", "training.train_draft", "--target", str(tmp_path / "target"), "--aux-layers", "0,1,2",
                         "--max-new-tokens", "8", "--draft-vocab-size", "128", "--epochs", "1", "--ttt-steps", "2",
                         "--eval-data", str(tmp_path / "gsm.jsonl"), "--eval-prompts", "2", "--eval-max-new-tokens", "8",
-                        "--device", "cpu", "--pack-tokens", "128", "--max-train-minutes", "0",  # ranks stop together
+                        "--device", "cpu", "--batch-tokens", "128", "--max-train-minutes", "0",  # ranks stop together
                         "--data", f"messages:{tmp_path / 'sg.jsonl.gz'}",
                         "--work", str(tmp_path / "work"), "--out", str(tmp_path / "head")],
                        capture_output=True, text=True, timeout=300,

@@ -83,8 +83,9 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=5e-3, help="peak learning rate (the CPU default's; "
                     "a long GPU run wants ~1e-4 to 5e-4)")
     ap.add_argument("--grad-accum", type=int, default=4)
-    ap.add_argument("--pack-tokens", type=int, default=None,
-                    help="pack conversations into forwards of up to this many tokens (default: 4096 on CUDA, "
+    ap.add_argument("--batch-tokens", type=int, default=None,
+                    help="batch conversations (right-padded, similar lengths) into forwards of up to this many "
+                         "tokens (default: 4096 on CUDA, "
                          "0 = one conversation per forward on the CPU)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile this many optimizer steps after 2 warm-up steps and print the top operators")
@@ -111,8 +112,8 @@ def parse_args(argv=None):
     cpu = args.device == "cpu"
     if args.ttt_steps is None:  # the CPU default must finish in ~15 min; chain depth 3 is what it is judged on
         args.ttt_steps = 4 if cpu else 7
-    if args.pack_tokens is None:
-        args.pack_tokens = 0 if cpu else 4096
+    if args.batch_tokens is None:
+        args.batch_tokens = 0 if cpu else 4096
     if args.draft_vocab_size is None:
         args.draft_vocab_size = 4096 if cpu else 32000
     if not args.data:
@@ -279,7 +280,7 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
     lm_head = target.get_output_embeddings().weight.detach()
     tcfg = TrainConfig(ttt_steps=args.ttt_steps, lr=args.lr, epochs=args.epochs, max_steps=args.max_steps,
                        grad_accum=args.grad_accum, max_tokens=args.max_tokens, seed=args.seed,
-                       pack_tokens=args.pack_tokens, profile_steps=args.profile_steps,
+                       batch_tokens=args.batch_tokens, profile_steps=args.profile_steps,
                        max_seconds=None if args.max_train_minutes is None else 60 * args.max_train_minutes,
                        bf16=device.type == "cuda" and args.precision == "bf16")
     untrained = None

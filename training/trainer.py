@@ -46,7 +46,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 0  # optimizer steps; 0: only at the end
     bf16: bool = False  # autocast on CUDA
-    pack_tokens: int = 0  # > 0: conversations packed into forwards of up to this many tokens (GPU)
+    batch_tokens: int = 0  # > 0: conversations batched (right-padded) into forwards of up to this many tokens
     max_seconds: float | None = None  # stop early (checkpoint written, logged) after this much training time
     profile_steps: int = 0  # > 0: profile this many optimizer steps (after 2 warm-up steps) and log the top ops
 
@@ -120,45 +120,52 @@ def _truncated(f: Features, max_tokens: int) -> Features:
     return Features(f.input_ids[:max_tokens], f.loss_mask[:max_tokens], f.aux[:max_tokens], f.last_hidden[:max_tokens])
 
 
-def pack(records: list[Features], order: list[int], pack_tokens: int, max_tokens: int) -> list[list[int]]:
-    """Greedy packs of record indices (in `order`), each at most `pack_tokens` tokens after truncation
-    to `max_tokens`: one forward per pack instead of per conversation (the GPU is launch-bound on
-    single short conversations)."""
-    packs, cur, used = [], [], 0
-    for i in order:
-        n = min(len(records[i].input_ids), max_tokens)
-        if cur and used + n > pack_tokens:
-            packs.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        packs.append(cur)
-    return packs
+def batches(records: list[Features], order: list[int], batch_tokens: int, max_tokens: int,
+            bucket: int = 64) -> list[list[int]]:
+    """Record indices grouped into right-padded batches of at most `batch_tokens` tokens (rows x longest,
+    padding included): `order` is cut into buckets of `bucket` records, each sorted by length so that a
+    batch's rows are alike and little is padding. Attention then costs sum(B x T^2) per batch, not the
+    (B x T)^2 of one packed sequence."""
+    out = []
+    for b in range(0, len(order), bucket):
+        group = sorted(order[b: b + bucket], key=lambda i: len(records[i].input_ids))
+        cur = []
+        for i in group:
+            n = min(len(records[i].input_ids), max_tokens)
+            if cur and n * (len(cur) + 1) > batch_tokens:  # ascending lengths: n is the batch's longest
+                out.append(cur)
+                cur = []
+            cur.append(i)
+        out += [cur] if cur else []
+    return out
 
 
 def ttt_loss(head: Eagle3Head, f: Features | list[Features], lm_rows: torch.Tensor, steps: int, decay: float, device,
              autocast: bool = False) -> tuple[torch.Tensor, list[float], list[int]]:
-    """(loss, per-step accuracy sums, per-step counts) for one sequence, or for several packed into one
-    forward: lanes of different conversations never attend to each other (block-diagonal mask), each
-    restarts its positions at 0, and the loss is the mean over all selected lanes of the pack."""
+    """(loss, per-step accuracy sums, per-step counts) for one sequence, or for a right-padded batch of
+    them (rows never see each other; padding lanes are never selected, and a real lane only ever
+    attends to real lanes), the loss being the mean over all selected lanes of the batch."""
     recs = [f] if isinstance(f, Features) else list(f)
-    lens = torch.tensor([len(r.input_ids) for r in recs], device=device)
-    ids = torch.cat([r.input_ids for r in recs]).to(device)
-    mask = torch.cat([r.loss_mask for r in recs]).to(device).bool()
+    B = len(recs)
+    lens = [len(r.input_ids) for r in recs]
+    T = max(lens)
+    L = T - 1  # lanes t = 0..T-2
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    aux = torch.zeros(B, L, recs[0].aux.shape[-1], dtype=recs[0].aux.dtype)
+    final = torch.zeros(B, T, recs[0].last_hidden.shape[-1], dtype=recs[0].last_hidden.dtype)
+    for b, (r, n) in enumerate(zip(recs, lens)):
+        ids[b, :n], mask[b, :n], aux[b, : n - 1], final[b, :n] = r.input_ids, r.loss_mask.bool(), r.aux[: n - 1], \
+            r.last_hidden
+    ids, mask, hidden = ids.to(device), mask.to(device), aux.to(device).float()
     with torch.no_grad():  # the target's distribution over the draft vocabulary at every position
-        tgt = F.softmax(torch.cat([r.last_hidden for r in recs]).to(device).float() @ lm_rows.T, dim=-1)  # [T, Vd]
-    hidden = torch.cat([r.aux[: len(r.input_ids) - 1] for r in recs]).to(device).float()
-    lanes = lens - 1  # lanes t = 0..T-2 of each sequence
-    seg = torch.repeat_interleave(torch.arange(len(recs), device=device), lanes)  # sequence of each lane
-    token_start = (torch.cumsum(lens, 0) - lens)[seg]  # where the lane's sequence starts in `ids`
-    lane_start = (torch.cumsum(lanes, 0) - lanes)[seg]
-    L = int(lanes.sum())
-    pos = torch.arange(L, device=device) - lane_start  # t within its sequence
-    last = lens[seg] - 1  # the sequence's last token index
+        tgt = F.softmax(final.to(device).float() @ lm_rows.T, dim=-1)  # [B, T, Vd]
+    last = torch.tensor(lens, device=device)[:, None] - 1  # each row's last token index
+    pos = torch.arange(L, device=device)[None].expand(B, L)
+    rows = torch.arange(B, device=device)[:, None]
     cache = KVCache()
     total, acc, cnt = 0.0, [], []
-    causal = torch.ones(L, L, dtype=torch.bool, device=device).tril() & (seg[:, None] == seg[None, :])
+    causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
     eye = torch.eye(L, dtype=torch.bool, device=device)
     for k in range(steps):
         tok_idx = pos + k + 1  # the token fed at lane t: x_{t+k+1}
@@ -166,22 +173,24 @@ def ttt_loss(head: Eagle3Head, f: Features | list[Features], lm_rows: torch.Tens
         valid = pred_idx <= last
         if not valid.any():
             break
-        tok = ids[token_start + torch.minimum(tok_idx, last)]
+        tok = ids[rows, tok_idx.clamp(max=T - 1)]
         attn_mask = torch.cat([causal] + [eye] * k, dim=1)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = head(tok[None], hidden[None], (pos + k)[None], cache, attn_mask)
-        logits = out.logits[0].float()
-        sel = valid & mask[token_start + torch.minimum(pred_idx, last)]
-        target_p = tgt[token_start + torch.minimum(pred_idx - 1, last)]
+            out = head(tok, hidden, pos + k, cache, attn_mask)
+        logits = out.logits.float()
+        sel = valid & mask[rows, pred_idx.clamp(max=T - 1)]
         if sel.any():
-            loss_k = -(target_p[sel] * F.log_softmax(logits[sel], dim=-1)).sum(-1).mean()
+            b_sel, t_sel = sel.nonzero(as_tuple=True)  # gather only the selected lanes' [Vd] rows
+            target_p = tgt[b_sel, pred_idx[b_sel, t_sel] - 1]
+            chosen = logits[b_sel, t_sel]
+            loss_k = -(target_p * F.log_softmax(chosen, dim=-1)).sum(-1).mean()
             total = total + (decay ** k) * loss_k
-            acc.append(float((logits[sel].argmax(-1) == target_p[sel].argmax(-1)).sum()))
+            acc.append(float((chosen.argmax(-1) == target_p.argmax(-1)).sum()))
             cnt.append(int(sel.sum()))
         else:
             acc.append(0.0)
             cnt.append(0)
-        hidden = out.hidden[0]
+        hidden = out.hidden
     if not torch.is_tensor(total):
         total = torch.zeros((), device=device, requires_grad=True)
     return total, acc, cnt
@@ -253,10 +262,10 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     lm_rows = target_lm_head.to(device).float()[head.target_logits_index()]
-    # units of one forward: a conversation, or a pack of them (fixed once, from the seed)
-    if cfg.pack_tokens > 0:
+    # units of one forward: a conversation, or a batch of them (fixed once, from the seed)
+    if cfg.batch_tokens > 0:
         seeded = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        units = pack(records, seeded, cfg.pack_tokens, cfg.max_tokens)
+        units = batches(records, seeded, cfg.batch_tokens, cfg.max_tokens)
     else:
         units = [[i] for i in range(len(records))]
     per_epoch = math.ceil(len(units) / (cfg.grad_accum * world))
