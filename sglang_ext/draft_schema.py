@@ -100,6 +100,17 @@ def triton_mla_errors(who: str, config: Mapping[str, Any]) -> list[ConfigError]:
                         "--attention-backend")]
 
 
+def triton_pair_errors(target: TargetSpec, draft: DraftSpec, target_triton: bool = True,
+                       draft_triton: bool = True) -> list[ConfigError]:
+    """triton_mla_errors for the MLA parts of a pair that decode on the Triton backend."""
+    errors = []
+    if target.is_mla and target_triton:
+        errors += triton_mla_errors("target", target.text_config)
+    if draft.head_format == "mla" and draft_triton:
+        errors += triton_mla_errors("draft", draft.config)
+    return errors
+
+
 # ---------------------------------------------------------------------------------------------
 # Weights
 # ---------------------------------------------------------------------------------------------

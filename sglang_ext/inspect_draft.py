@@ -70,14 +70,11 @@ def inspect(draft_path: str, target_path: str, override: str | None = None, pool
     for e in draft_schema.pair_errors(target, draft, shapes):
         fail(e)
     backend = (pools or {}).get("attention_backend")
-    mla_parts = ([("target", target.text_config)] if target.is_mla else []) + \
-        ([("draft", draft.config)] if draft.head_format == "mla" else [])
-    for who, cfg in mla_parts:
-        for e in draft_schema.triton_mla_errors(who, cfg):
-            if backend == "triton":
-                fail(e)
-            else:
-                report["notes"].append(f"with --attention-backend triton: {e}")
+    for e in draft_schema.triton_pair_errors(target, draft):
+        if backend == "triton":
+            fail(e)
+        else:
+            report["notes"].append(f"with --attention-backend triton: {e}")
     try:
         report["kv_pools"] = kv_pool_report(target, draft, shapes, **{k: v for k, v in (pools or {}).items()
                                                                        if k != "attention_backend"})

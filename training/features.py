@@ -33,6 +33,19 @@ class Features:
     last_hidden: torch.Tensor  # [T, hidden], after the target's final norm
 
 
+def cut_by_length(ascending: list[int], length, budget: int) -> list[list[int]]:
+    """Indices already sorted by ascending length, cut greedily into right-padded batches whose rows x
+    longest (padding included) stays within `budget`; a row longer than the budget is a batch alone.
+    Shared by feature capture and the trainer."""
+    out, cur = [], []
+    for i in ascending:  # ascending: the newest member sets the padded width
+        if cur and length(i) * (len(cur) + 1) > budget:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    return out + ([cur] if cur else [])
+
+
 class FeatureExtractor:
     def __init__(self, target, tokenizer, aux_output_ids, max_tokens: int = 2048, reasoning: str = "drop",
                  dtype=torch.bfloat16):
@@ -63,13 +76,7 @@ class FeatureExtractor:
         out: list[Features | None] = [None] * len(convs)
         todo = sorted((i for i, r in enumerate(rendered) if sum(r.loss_mask) and len(r.input_ids) >= 4),
                       key=lambda i: len(rendered[i].input_ids))
-        batches, cur = [], []
-        for i in todo:  # ascending lengths: the newest member sets the padded width
-            if cur and len(rendered[i].input_ids) * (len(cur) + 1) > batch_tokens:
-                batches.append(cur)
-                cur = []
-            cur.append(i)
-        batches += [cur] if cur else []
+        batches = cut_by_length(todo, lambda i: len(rendered[i].input_ids), batch_tokens)
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.tok.eos_token_id or 0)
         for batch in batches:
             lengths = [len(rendered[i].input_ids) for i in batch]

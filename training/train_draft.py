@@ -292,8 +292,10 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
     t = time.time()
     metrics = train(head, records, lm_head, tcfg, checkpoint_dir=os.path.join(args.work, "checkpoint"))
     train_s = time.time() - t
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tokens_per_s = metrics.get("tokens_trained", 0) * world / max(train_s, 1e-9)  # all ranks: equal shares
     print(f"[train-draft] trained {metrics.get('step')} steps in {train_s:.0f}s "
-          f"({metrics.get('tokens_trained', 0) / max(train_s, 1e-9):.0f} tokens/s); last loss {metrics.get('loss', 0):.3f}"
+          f"({tokens_per_s:.0f} tokens/s); last loss {metrics.get('loss', 0):.3f}"
           + (" -- stopped early by --max-train-minutes" if metrics.get("stopped_early") else ""))
 
     if rank != 0:  # every rank holds the same weights; rank 0 exports and measures
@@ -305,14 +307,12 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
     est = acceptance_estimate(target, head, prompts, args.eval_steps, args.eval_max_new_tokens, eos)
     result = {"target": args.target, "draft_format": args.draft_format, "aux_output_ids": aux_ids,
               "draft_vocab_size": dv, "train_conversations": len(records), "train_tokens": n_tok,
-              "train_seconds": train_s,
-              "train_tokens_per_s": metrics.get("tokens_trained", 0) * int(os.environ.get("WORLD_SIZE", "1"))
-              / max(train_s, 1e-9),  # all ranks (each trains an equal share)
+              "train_seconds": train_s, "train_tokens_per_s": tokens_per_s,
               "final_metrics": metrics, "held_out_accuracy_per_step": held_acc,
               "acceptance": {"eval_data": eval_path, "prompts": len(prompts), "chain_steps": args.eval_steps,
                              "max_new_tokens": args.eval_max_new_tokens,
                              "trained": est, "untrained": untrained},
-              "world_size": int(os.environ.get("WORLD_SIZE", "1")), "wall_seconds": time.time() - t0}
+              "world_size": world, "wall_seconds": time.time() - t0}
     with open(os.path.join(args.out, "training_report.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"[train-draft] exported {args.out} ({cfg.architecture}); held-out per-step accuracy "

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from sglang_ext.core.heads import Eagle3Head
 from sglang_ext.core.layers import KVCache
-from training.features import Features
+from training.features import Features, cut_by_length
 
 
 @dataclasses.dataclass
@@ -129,14 +129,7 @@ def batches(records: list[Features], order: list[int], batch_tokens: int, max_to
     out = []
     for b in range(0, len(order), bucket):
         group = sorted(order[b: b + bucket], key=lambda i: len(records[i].input_ids))
-        cur = []
-        for i in group:
-            n = min(len(records[i].input_ids), max_tokens)
-            if cur and n * (len(cur) + 1) > batch_tokens:  # ascending lengths: n is the batch's longest
-                out.append(cur)
-                cur = []
-            cur.append(i)
-        out += [cur] if cur else []
+        out += cut_by_length(group, lambda i: min(len(records[i].input_ids), max_tokens), batch_tokens)
     return out
 
 
@@ -289,7 +282,7 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     t_start, tokens_trained = time.time(), 0
     bar = tqdm(total=total, initial=step, desc="train draft", unit="step", disable=rank != 0,
                mininterval=5)
-    profiler, first_step = None, step
+    profiler, first_step, order_epoch = None, step, None
     while step < total:
         if cfg.profile_steps and step == first_step + 2 and profiler is None:
             profiler = _start_profiler(device)
@@ -297,7 +290,9 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
             _log_profile(profiler, device, cfg.profile_steps, log)
             profiler = None
         epoch, within = divmod(step, per_epoch)
-        order = torch.randperm(len(units), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+        if epoch != order_epoch:  # the epoch's shuffle, drawn once (not at every step)
+            order_epoch = epoch
+            order = torch.randperm(len(units), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
         full = order[within * cfg.grad_accum * world: (within + 1) * cfg.grad_accum * world]  # this step's units
         batch = full[rank::world]  # this rank's share
         if not full:
@@ -310,7 +305,7 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
         for u in batch:
             fs = [_truncated(records[i], cfg.max_tokens) for i in units[u]]
             tokens_trained += sum(len(x.input_ids) for x in fs)
-            loss, acc, cnt = ttt_loss(head, fs if len(fs) > 1 else fs[0], lm_rows,
+            loss, acc, cnt = ttt_loss(head, fs, lm_rows,
                                       cfg.ttt_steps, cfg.decay, device, cfg.bf16 and device.type == "cuda")
             if not torch.isfinite(loss):  # stop before a NaN reaches the weights, the checkpoint or the export
                 raise FloatingPointError(f"non-finite TTT loss ({float(loss)}) at optimizer step {step}, records "

