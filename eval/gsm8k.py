@@ -220,6 +220,35 @@ def score(rows, results, wall_s: float, depth, want_spec: bool) -> dict:
     return out
 
 
+def per_question(rows, results) -> list[dict]:
+    """What another run is compared against, question by question: correctness, the extracted answer
+    and a digest of the output text (greedy runs of one target should give the same text)."""
+    import hashlib
+
+    out = []
+    for i, (q, r) in enumerate(zip(rows, results)):
+        ref = reference_answer(q["answer"])
+        out.append({"index": i, "strict": extract_strict(r["text"]) == ref, "flexible": extract_flexible(r["text"]) == ref,
+                    "answer": extract_flexible(r["text"]), "output_tokens": r["completion_tokens"],
+                    "output_sha1": hashlib.sha1(r["text"].encode()).hexdigest()[:16]})
+    return out
+
+
+def agreement(a: list[dict], b: list[dict]) -> dict:
+    """Two runs' per-question records (e.g. the reference decoder and a server, same target, greedy) on the
+    questions both answered: accuracy of each, identical outputs, same extracted answer, McNemar."""
+    by_index = {r["index"]: r for r in b}
+    pairs = [(r, by_index[r["index"]]) for r in a if r["index"] in by_index]
+    if not pairs:
+        return {"questions": 0}
+    n = len(pairs)
+    return {"questions": n, "strict_a": sum(x["strict"] for x, _ in pairs) / n,
+            "strict_b": sum(y["strict"] for _, y in pairs) / n,
+            "identical_outputs": sum(x["output_sha1"] == y["output_sha1"] for x, y in pairs),
+            "same_answer": sum(x["answer"] == y["answer"] for x, y in pairs),
+            "mcnemar_strict": mcnemar([x["strict"] for x, _ in pairs], [y["strict"] for _, y in pairs])}
+
+
 # ---------------------------------------------------------------------------------------- main
 
 
@@ -297,6 +326,7 @@ def main(argv=None) -> int:
         report["arms"][name] = s
         report.setdefault("samples", {})[name] = [{"question": q["question"][:200], "output": r["text"][:400]}
                                                   for q, r in list(zip(rows, results))[:3]]
+        report.setdefault("per_question", {})[name] = per_question(rows, results)
     if "spec" in report["arms"] and "no-spec" in report["arms"]:
         a, b = report["arms"]["spec"], report["arms"]["no-spec"]
         report["compare"] = {"mcnemar_strict": mcnemar(flags["spec"], flags["no-spec"]),

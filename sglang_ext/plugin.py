@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_ext.serving import acceptance, adaptive, aux_capture, kv_pools, registry
+    from sglang_ext.serving import acceptance, adaptive, aux_capture, kv_pools, mla_verify, registry
 
     for target, family in aux_capture.HOOK_TARGETS.items():
         HookRegistry.register(target, aux_capture.make_hook(family), HookType.AROUND)
@@ -26,10 +26,12 @@ def register() -> None:
     if adaptive.requested():  # opt-in: no per-step cost for servers that do not ask for it
         groups += [(adaptive.AROUND_HOOKS, HookType.AROUND), (adaptive.BEFORE_HOOKS, HookType.BEFORE),
                    (adaptive.AFTER_HOOKS, HookType.AFTER)]
+    if mla_verify.requested():  # opt-in until measured on a GPU: chain verify of MLA targets as decode attention
+        groups += [(mla_verify.AFTER_HOOKS, HookType.AFTER), (mla_verify.AROUND_HOOKS, HookType.AROUND)]
     for hooks, kind in groups:
         for target, fn in hooks.items():
             HookRegistry.register(target, fn, kind)
     acceptance.install_log_filter()
     logger.info("[sglang_ext] plugin registered: Eagle3 aux-layer capture, MLA head architectures, draft KV "
                 "pool sizing and dtype, acceptance reporting without the bonus token, cost-model adaptive speculation "
-                "(opt-in)")
+                "(opt-in), MLA chain verify as decode attention (opt-in)")

@@ -107,6 +107,13 @@ def test_reference_backend_end_to_end_on_a_tiny_model(tmp_path):
     # greedy speculation is lossless: the same answers, so McNemar sees no discordant pair
     assert r["compare"]["mcnemar_strict"]["only_first_correct"] == r["compare"]["mcnemar_strict"]["only_second_correct"] == 0
     assert [s["output"] for s in r["samples"]["spec"]] == [s["output"] for s in r["samples"]["no-spec"]]
+    # per-question records: what a server run of the same target is compared against
+    agree = G.agreement(r["per_question"]["spec"], r["per_question"]["no-spec"][:3])
+    assert agree["questions"] == 3 and agree["identical_outputs"] == 3 and agree["same_answer"] == 3
+    changed = [dict(q, output_sha1="0", answer="x", strict=not q["strict"]) for q in r["per_question"]["no-spec"]]
+    other = G.agreement(r["per_question"]["spec"], changed)
+    assert other["identical_outputs"] == 0 and other["mcnemar_strict"]["only_first_correct"] + \
+        other["mcnemar_strict"]["only_second_correct"] == 5
     assert "accepted drafts / step" in (out / "report.md").read_text()
 
 

@@ -35,7 +35,7 @@ def test_gpu_script_command_lines_parse():
     p = subprocess.run([sys.executable, "-c", CHECK], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["train"] == [4096, 3, 5.0, 7, "mla"]  # the pipeline passes --device cuda: the GPU defaults
+    assert r["train"] == [16384, 3, 5.0, 7, "mla"]  # the pipeline passes --device cuda: the GPU defaults
     arms = r["arms"]
     assert arms["target"][0] is None and arms["mha-chain"][:2] == ["EAGLE3", 1] and arms["mla-tree"][1] == 4
     assert arms["mha-chain-no-overlap"][2] is True and arms["mha-chain"][2] is False

@@ -77,8 +77,34 @@ def test_report_from_a_state(tmp_path, monkeypatch):
     assert row1["plugin/upstream"] == pytest.approx(202 / 202)
     assert out["bound"]["c"] == pytest.approx((0.0145 / 0.010 - 1) / 3)
     assert out["bound"]["bound"] == pytest.approx(3 / (1 + 3 * out["bound"]["c"]))
+    assert out["bound"]["achieved"] == pytest.approx(0.010 / 0.005)  # TPOT ratio, what the bound bounds
     text = (tmp_path / "benchmarks.md").read_text()
     assert "| 32 | 1.006" in text and "of the bound" in text and (tmp_path / "benchmarks.png").exists()
+    # a failed arm is named with its first error line; a profile is summarised
+    state["arms"]["plugin-tree"] = {"levels": {}, "error": "OutOfMemoryError() at concurrency 32\nlog tail"}
+    state["arms"]["plugin-chain"]["profile"] = {"window_ms": 100.0, "gpu_busy_ms": 40.0, "gpu_busy_fraction": 0.4,
+                                                "steps": 10, "top_kernels_ms_per_step": [["gemm", 2.5]]}
+    json.dump(state, open(tmp_path / "state.json", "w"))
+    sb.report(str(tmp_path / "benchmarks.md"))
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "`plugin-tree`: OutOfMemoryError() at concurrency 32" in text
+    assert "| plugin-chain | 10.00 | 4.00 | 0.40 | gemm 2.5 |" in text
+
+
+def test_trace_summary_counts_overlapping_kernels_once(tmp_path):
+    import gzip
+
+    events = [{"ph": "X", "cat": "cpu_op", "name": "step", "ts": 0, "dur": 1000},
+              {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 100, "dur": 200},
+              {"ph": "X", "cat": "kernel", "name": "attn", "ts": 250, "dur": 100},  # overlaps gemm by 50
+              {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 600, "dur": 100}]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    out = sb.trace_summary(str(path), steps=2)
+    assert out["window_ms"] == pytest.approx(1.0) and out["gpu_busy_ms"] == pytest.approx(0.35)
+    assert out["gpu_busy_fraction"] == pytest.approx(0.35)
+    assert out["top_kernels_ms_per_step"] == [("gemm", 0.15), ("attn", 0.05)]
 
 
 def test_upstream_copy_reads_the_same_layers_under_both_engines(tmp_path):

@@ -208,6 +208,12 @@ def test_batched_conversations_do_not_see_each_other(tiny_pair):
     assert acc2 == [2 * a for a in alone[0][1]] and cnt2 == [2 * c for c in alone[0][2]]
     assert acc3 == [sum(a[1][k] for a in alone) for k in range(3)]
     assert cnt3 == [sum(a[2][k] for a in alone) for k in range(3)] and cnt3[0] > 0
+    # the GPU default pads every row to a multiple of 64 lanes: same loss, same counts
+    with torch.no_grad():
+        padded, acc64, cnt64 = ttt_loss(head, recs, rows, 3, 0.8, cpu, pad_multiple=64)
+        unpadded, _, _ = ttt_loss(head, recs, rows, 3, 0.8, cpu)
+    assert max(lens) % 64 and torch.allclose(padded, unpadded, atol=1e-5)
+    assert (acc64, cnt64) == (acc3, cnt3)
     by_length = sorted([2, 0, 1], key=lambda i: lens[i])  # stable: ties keep the given order
     assert batches(recs, [2, 0, 1], 10 ** 6, 10 ** 6) == [by_length]  # one bucket, sorted by length
     assert batches(recs, [2, 0, 1], 1, 10 ** 6) == [[i] for i in by_length]  # a conversation alone if need be

@@ -14,6 +14,7 @@ rank takes its share of a step's units, gradients are summed before clipping).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -133,8 +134,19 @@ def batches(records: list[Features], order: list[int], batch_tokens: int, max_to
     return out
 
 
+def attention_kernels(device):
+    """SDPA on CUDA without its cuDNN backend: cuDNN builds an execution plan for every new shape
+    (~70 ms of host time each in the backward, 41% of a step's host time in an H200 profile), and a
+    padded batch's shape changes from one step to the next; the fused kernels left need no plan."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def ttt_loss(head: Eagle3Head, f: Features | list[Features], lm_rows: torch.Tensor, steps: int, decay: float, device,
-             autocast: bool = False) -> tuple[torch.Tensor, list[float], list[int]]:
+             autocast: bool = False, pad_multiple: int | None = None) -> tuple[torch.Tensor, list[float], list[int]]:
     """(loss, per-step accuracy sums, per-step counts) for one sequence, or for a right-padded batch of
     them (rows never see each other; padding lanes are never selected, and a real lane only ever
     attends to real lanes), the loss being the mean over all selected lanes of the batch."""
@@ -142,6 +154,9 @@ def ttt_loss(head: Eagle3Head, f: Features | list[Features], lm_rows: torch.Tens
     B = len(recs)
     lens = [len(r.input_ids) for r in recs]
     T = max(lens)
+    if pad_multiple is None:  # on CUDA few distinct shapes, so kernels tuned per shape are reused
+        pad_multiple = 64 if device.type == "cuda" else 1
+    T = -(-T // pad_multiple) * pad_multiple
     L = T - 1  # lanes t = 0..T-2
     ids = torch.zeros(B, T, dtype=torch.long)
     mask = torch.zeros(B, T, dtype=torch.bool)
@@ -150,43 +165,54 @@ def ttt_loss(head: Eagle3Head, f: Features | list[Features], lm_rows: torch.Tens
     for b, (r, n) in enumerate(zip(recs, lens)):
         ids[b, :n], mask[b, :n], aux[b, : n - 1], final[b, :n] = r.input_ids, r.loss_mask.bool(), r.aux[: n - 1], \
             r.last_hidden
-    ids, mask, hidden = ids.to(device), mask.to(device), aux.to(device).float()
+    # which lanes each TTT step trains on is known on the host (lengths and loss masks), so the GPU
+    # never has to be asked (no synchronisation inside the unroll)
+    pos_cpu = torch.arange(L)[None].expand(B, L)
+    last_cpu = torch.tensor(lens)[:, None] - 1  # each row's last token index
+    selected = []
+    for k in range(steps):
+        pred = pos_cpu + k + 2  # the token predicted at lane t: x_{t+k+2}
+        valid = pred <= last_cpu
+        if not valid.any():
+            break
+        sel = valid & mask.gather(1, pred.clamp(max=T - 1))
+        b_sel, t_sel = sel.nonzero(as_tuple=True)
+        selected.append((b_sel, t_sel, pred[b_sel, t_sel] - 1))
+    pin = device.type == "cuda"
+
+    def dev(x):
+        return (x.pin_memory() if pin else x).to(device, non_blocking=pin)
+
+    ids, hidden = dev(ids), dev(aux).float()
     with torch.no_grad():  # the target's distribution over the draft vocabulary at every position
-        tgt = F.softmax(final.to(device).float() @ lm_rows.T, dim=-1)  # [B, T, Vd]
-    last = torch.tensor(lens, device=device)[:, None] - 1  # each row's last token index
+        tgt = F.softmax(dev(final).float() @ lm_rows.T, dim=-1)  # [B, T, Vd]
     pos = torch.arange(L, device=device)[None].expand(B, L)
     rows = torch.arange(B, device=device)[:, None]
     cache = KVCache()
-    total, acc, cnt = 0.0, [], []
+    total, hits, cnt = 0.0, [], []
     causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
     eye = torch.eye(L, dtype=torch.bool, device=device)
-    for k in range(steps):
-        tok_idx = pos + k + 1  # the token fed at lane t: x_{t+k+1}
-        pred_idx = pos + k + 2  # the token predicted: x_{t+k+2}
-        valid = pred_idx <= last
-        if not valid.any():
-            break
-        tok = ids[rows, tok_idx.clamp(max=T - 1)]
+    for k, (b_sel, t_sel, target_pos) in enumerate(selected):
+        tok = ids[rows, (pos + k + 1).clamp(max=T - 1)]  # the token fed at lane t: x_{t+k+1}
         attn_mask = torch.cat([causal] + [eye] * k, dim=1)
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast), \
+                attention_kernels(device):
             out = head(tok, hidden, pos + k, cache, attn_mask)
-        logits = out.logits.float()
-        sel = valid & mask[rows, pred_idx.clamp(max=T - 1)]
-        if sel.any():
-            b_sel, t_sel = sel.nonzero(as_tuple=True)  # gather only the selected lanes' [Vd] rows
-            target_p = tgt[b_sel, pred_idx[b_sel, t_sel] - 1]
-            chosen = logits[b_sel, t_sel]
+        cnt.append(len(b_sel))
+        if len(b_sel):
+            b_sel, t_sel, target_pos = dev(b_sel), dev(t_sel), dev(target_pos)
+            target_p = tgt[b_sel, target_pos]  # gather only the selected lanes' [Vd] rows
+            chosen = out.logits[b_sel, t_sel].float()
             loss_k = -(target_p * F.log_softmax(chosen, dim=-1)).sum(-1).mean()
             total = total + (decay ** k) * loss_k
-            acc.append(float((chosen.argmax(-1) == target_p.argmax(-1)).sum()))
-            cnt.append(int(sel.sum()))
+            hits.append((chosen.argmax(-1) == target_p.argmax(-1)).sum())
         else:
-            acc.append(0.0)
-            cnt.append(0)
+            hits.append(torch.zeros((), device=device))
         hidden = out.hidden
     if not torch.is_tensor(total):
         total = torch.zeros((), device=device, requires_grad=True)
-    return total, acc, cnt
+    acc = torch.stack(hits).tolist() if hits else []  # the one synchronisation of the call
+    return total, [float(a) for a in acc], cnt
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -368,9 +394,11 @@ def _log_profile(p, device, steps: int, log) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
     p.__exit__(None, None, None)
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    log(f"profile of {steps} optimizer steps (top operators by {key}):\n"
-        + p.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
+    table = p.key_averages()
+    # on CUDA both views: a GPU far less busy than the host points at launch or synchronisation costs
+    for key in (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
+        log(f"profile of {steps} optimizer steps (top operators by {key}):\n"
+            + table.table(sort_by=key, row_limit=15, max_name_column_width=60))
 
 
 @torch.no_grad()

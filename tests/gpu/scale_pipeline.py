@@ -91,8 +91,8 @@ def step_build() -> None:
 
 
 TRAIN_COMMON = ["--target", TARGET, "--turns", "first", "--max-new-tokens", "256", "--draft-vocab-size", "16384",
-                "--epochs", "4", "--lr", "2e-3", "--grad-accum", "2", "--ttt-steps", "7",
-                "--eval-data", f"{DATA}/gsm8k-test.jsonl", "--eval-prompts", "64", "--eval-max-new-tokens", "128",
+                "--epochs", "4", "--lr", "2e-3", "--grad-accum", "1", "--ttt-steps", "7",
+                "--eval-data", f"{DATA}/gsm8k-test.jsonl", "--eval-prompts", "32", "--eval-max-new-tokens", "128",
                 "--device", "cuda", "--max-train-minutes", os.environ.get("TRAIN_MINUTES", "5"), "--profile-steps", "3"]
 TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRAIN_SHAREGPT', '1500')}",
               "--data", f"gsm8k:{DATA}/gsm8k-train.jsonl:{os.environ.get('TRAIN_GSM8K', '3000')}"]
@@ -233,31 +233,57 @@ def step_wait_trainers(trainers: dict) -> None:
             shutil.copy(rep, f"{RESULTS}/training_report_{fmt}.json")
 
 
-def step_arms() -> None:
-    wanted = os.environ.get("PIPE_ARMS", "mha-chain mla-chain mha-tree mla-tree").split()
-    arms = [a for a in wanted if os.path.exists(f"{CHECK_WORK}/head-{a.split('-')[0]}/model.safetensors")]
-    ref_eval = None
-    if os.path.exists(f"{CHECK_WORK}/head-mha/model.safetensors") and not os.path.exists(
+def step_arms(arms: list[str]) -> None:
+    arms = [a for a in arms if os.path.exists(f"{CHECK_WORK}/head-{a.split('-')[0]}/model.safetensors")]
+    if not arms or left() < 200:
+        say(f"arms: {arms} skipped ({'no head' if not arms else 'no time'})")
+        return
+    global REF_EVAL
+    if REF_EVAL is None and "mha" in {a.split("-")[0] for a in arms} and not os.path.exists(
             f"{RESULTS}/gsm8k-reference/report.json"):
-        ref_eval = subprocess.Popen(
+        REF_EVAL = subprocess.Popen(
             [PY, "-m", "eval.gsm8k", "--target", TARGET, "--draft", f"{CHECK_WORK}/head-mha", "--device", "cuda",
              "--data-path", f"{DATA}/gsm8k-test.jsonl", "--fewshot-path", f"{DATA}/gsm8k-train.jsonl",
              "--limit", os.environ.get("REF_EVAL_LIMIT", "40"), "--out", f"{RESULTS}/gsm8k-reference"],
             cwd=REPO, stdout=open(f"{ROOT}/eval-reference.log", "w"), stderr=subprocess.STDOUT)
+        STARTED.append(REF_EVAL)
         say("arms: reference-decoder GSM8K eval started (background)")
     env = dict(os.environ, OUT=RESULTS, GPU_CHECK_DEADLINE=str(max(0.0, left() - 150)),
                GPU_CHECK_GSM8K_OUT=f"{RESULTS}/gsm8k-spec", GPU_CHECK_NO_TRAIN="1", PYTHONUNBUFFERED="1")
     say(f"arms: check_serving {arms}")
     p = subprocess.run([PY, os.path.join(HERE, "check_serving.py"), *arms], cwd=REPO, env=env,
-                       stdout=open(f"{ROOT}/arms.log", "w"), stderr=subprocess.STDOUT)
+                       stdout=open(f"{ROOT}/arms.log", "a"), stderr=subprocess.STDOUT)
     table = open(f"{ROOT}/arms.log").read().split("\narm ")[-1]
     say(f"arms: rc {p.returncode}\narm {table}")
-    if ref_eval is not None:
-        try:
-            ref_eval.wait(timeout=max(10, left()))
-        except subprocess.TimeoutExpired:
-            ref_eval.kill()
-        say("arms: reference eval: " + open(f"{ROOT}/eval-reference.log", errors="replace").read()[-600:])
+
+
+def step_reference_eval() -> None:
+    if REF_EVAL is None:
+        return
+    try:
+        REF_EVAL.wait(timeout=max(10, left()))
+    except subprocess.TimeoutExpired:
+        REF_EVAL.kill()
+    say("arms: reference eval: " + open(f"{ROOT}/eval-reference.log", errors="replace").read()[-600:])
+    # the reference decoder and the server on the same questions (greedy, same target): accuracy must agree
+    from eval.gsm8k import agreement
+
+    def records(name: str, arm: str):
+        path = f"{RESULTS}/{name}/report.json"
+        return json.load(open(path)).get("per_question", {}).get(arm) if os.path.exists(path) else None
+
+    ref = records("gsm8k-reference", "spec")
+    out = {}
+    for name, arm in (("gsm8k-nospec", "no-spec"), ("gsm8k-spec", "spec")):
+        other = records(name, arm)
+        if ref and other:
+            out[f"reference vs {name}"] = agreement(ref, other)
+    if out:
+        save("gsm8k_agreement.json", out)
+        say(f"arms: GSM8K reference decoder vs server: {json.dumps(out)}")
+
+
+REF_EVAL: subprocess.Popen | None = None
 
 
 def step_specforge() -> None:
@@ -288,8 +314,16 @@ def run() -> int:
     try:
         step_build()
         trainers = step_target_and_regen()
-        step_wait_trainers(trainers)
-        step_arms()
+        # the MHA head's arms run while the MLA head still trains (it started later, on the MHA run's features)
+        wanted = os.environ.get("PIPE_ARMS", "mha-chain mha-chain-verify-decode mla-chain mla-tree "
+                                "mla-chain-verify-decode mha-tree mha-chain-fp8 mha-chain-no-overlap "
+                                "mha-chain-sampled mla-tree-sampled").split()
+        first = [a for a in wanted if a.startswith("mha-")][:2]
+        step_wait_trainers({k: v for k, v in trainers.items() if k == "mha"})
+        step_arms(first)
+        step_wait_trainers({k: v for k, v in trainers.items() if k == "mla"})
+        step_arms([a for a in wanted if a not in first])
+        step_reference_eval()
         step_specforge()
         say("DONE")
     except BaseException as e:  # noqa: BLE001 -- the watcher must see how it ended
@@ -303,23 +337,36 @@ def run() -> int:
     return 0
 
 
+BENCH_LOG = "/tmp/specbench/bench.log"  # eval.spec_bench, when started beside the pipeline (another GPU)
+
+
 def watch(limit: float) -> int:
-    """Print new progress lines until the pipeline ends or `limit` seconds pass; copy results to $OUT."""
-    t, seen = time.time(), 0
+    """Print new progress lines (the pipeline's, and the benchmark's `[bench]` lines when one runs beside
+    it) until both have ended or `limit` seconds pass; copy results to $OUT."""
+    t, seen, seen_bench = time.time(), 0, 0
     while True:
         lines = open(f"{ROOT}/progress.log").read().splitlines() if os.path.exists(f"{ROOT}/progress.log") else []
         for line in lines[seen:]:
             print(line, flush=True)
         seen = len(lines)
-        done = any(x.startswith("[pipe") and ("DONE" in x or "FAILED" in x) for x in lines)
-        if done or time.time() - t > limit:
+        bench = []
+        if os.path.exists(BENCH_LOG):
+            bench = [x for x in open(BENCH_LOG, errors="replace").read().replace("\r", "\n").splitlines()
+                     if x.startswith("[bench]")]
+            for line in bench[seen_bench:]:
+                print(line, flush=True)
+            seen_bench = len(bench)
+        done = not lines or any(x.startswith("[pipe") and ("DONE" in x or "FAILED" in x) for x in lines)
+        bench_done = not os.path.exists(BENCH_LOG) or any(x.startswith("[bench] EXIT") for x in bench)
+        if (done and bench_done) or time.time() - t > limit:
             break
         time.sleep(5)
     out = os.environ.get("OUT")
     if out:
         subprocess.run(f"cp -r {RESULTS} {out}/ 2>/dev/null; cp {ROOT}/progress.log {out}/ 2>/dev/null; "
-                       f"for f in {ROOT}/train-*.log {ROOT}/arms.log; do [ -f $f ] && tail -c 20000 $f > {out}/$(basename $f); done",
-                       shell=True)
+                       f"for f in {ROOT}/train-*.log {ROOT}/arms.log; do [ -f $f ] && tail -c 20000 $f > {out}/$(basename $f); done; "
+                       f"mkdir -p {out}/bench && cp /tmp/specbench/state.json /tmp/specbench/benchmarks.* {out}/bench/ 2>/dev/null; "
+                       f"[ -f {BENCH_LOG} ] && tail -c 30000 {BENCH_LOG} > {out}/bench/bench.log", shell=True)
     tail = open(f"{ROOT}/pipeline.log", errors="replace").read()[-1500:] if os.path.exists(f"{ROOT}/pipeline.log") else ""
     print("--- pipeline.log tail ---\n" + tail.replace("\r", "\n")[-1500:])
     return 0

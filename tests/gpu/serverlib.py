@@ -16,6 +16,21 @@ BASE_ARGS = ["--attention-backend", "triton", "--mem-fraction-static", "0.3", "-
              "--host", "127.0.0.1", "--port", str(PORT), "--log-level", "info"]
 
 
+def group_pids(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`, from /proc."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            fields = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            out.append(int(d))
+    return out
+
+
 class Server:
     def __init__(self, name: str, args: list[str], env: dict | None = None, log_dir: str = "/tmp/gpu-logs"):
         os.makedirs(log_dir, exist_ok=True)
@@ -52,25 +67,24 @@ class Server:
             return r.read().decode()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        """Stop the server's whole process group and wait until none of its processes is alive (a zombie
+        has released its GPU memory), so the next server on this GPU finds the memory free. Waiting on
+        processes, not on the GPU's used memory: another job (a trainer, a server on another port) may
+        share the GPU."""
+        pgid = self.proc.pid
+        for sig, limit in ((signal.SIGTERM, 40), (signal.SIGKILL, 20)):
+            if not group_pids(pgid):
+                break
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except Exception:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.wait_gpu_free()
-
-    @staticmethod
-    def wait_gpu_free(limit_mib: int = 4000) -> None:
-        for _ in range(60):
-            try:
-                used = int(subprocess.check_output(["nvidia-smi", "--query-gpu=memory.used",
-                                                    "--format=csv,noheader,nounits"]).split()[0])
-            except Exception:
-                return
-            if used < limit_mib:
-                return
-            time.sleep(1)
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            t = time.time()
+            while group_pids(pgid) and time.time() - t < limit:
+                self.proc.poll()  # reap the leader
+                time.sleep(0.5)
+        self.proc.poll()
+        time.sleep(1)  # the driver frees the contexts of exited processes
 
     def __enter__(self):
         return self

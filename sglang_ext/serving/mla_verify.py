@@ -1,0 +1,190 @@
+"""Chain target-verify of an MLA target as grouped decode attention (opt-in, Triton backend).
+
+Why: SGLang 0.5.17's Triton backend runs EAGLE target-verify through its prefill kernel
+(``extend_attention_fwd``), which walks each request's whole prefix once per query block and per
+head. With 4 verify tokens per request that block is mostly empty, so a verify step costs ~0.8 ms
+per running request on an H200 with Kimi-K2.5 shapes: at 128 requests speculation ran at 0.43x of
+plain decoding at 2 accepted drafts per step, and a draft that never accepts at 0.15x
+(docs/benchmarks.md). Upstream has a split-KV verify kernel, but only for AMD (gfx95).
+
+What: for a chain (topk 1) each verify token i of request b attends to exactly the request's prefix
+plus draft tokens 0..i -- a causal window. So the verify batch of bs x n tokens is run as bs x n
+decode queries through the same grouped MLA decode kernel plain decoding uses (heads grouped over
+the one latent KV head, split-KV), with per-query KV index lists built from ``req_to_token``
+(EAGLE v2 has already written the draft tokens' slots there: ``eagle_prepare_for_verify`` reads
+``out_cache_loc`` from it). Trees (topk > 1) keep upstream's kernel: their mask is not a window.
+
+Opt-in with ``SGLANG_EXT_MLA_VERIFY=decode``. Extends (hooks registered by sglang_ext.plugin only
+when the variable is set), SGLang 0.5.17:
+  * ``TritonAttnBackend.init_forward_metadata`` (AFTER) -- eager verify metadata: expanded KV
+    indices, decode split buffers;
+  * ``TritonAttnBackend.init_forward_metadata_out_graph`` (AFTER) -- the same into address-stable
+    CUDA-graph buffers (capture and replay);
+  * ``TritonAttnBackend.forward_extend`` (AROUND) -- a verify batch with that metadata goes to
+    ``forward_decode`` (which also stores the tokens' latent KV, as the extend path would).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV = "SGLANG_EXT_MLA_VERIFY"
+FLAG = "_sglang_ext_verify_as_decode"  # set on the backend while its metadata is ours
+
+
+def requested() -> bool:
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "off", "extend", "upstream"):
+        return False
+    if value != "decode":
+        from sglang_ext.conventions import ConfigError
+
+        raise ConfigError(ENV, value, "unknown verify mode", "use 'decode' or leave it unset (upstream's kernel)")
+    return True
+
+
+def applies(backend) -> bool:
+    """Only where the decode kernel computes exactly what the extend kernel would."""
+    ok = getattr(backend, "_sglang_ext_verify_ok", None)
+    if ok is None:
+        reasons = []
+        if not getattr(backend, "use_mla", False):
+            reasons.append("the target is not MLA")
+        if (getattr(backend, "topk", 0) or 0) > 1:
+            reasons.append(f"tree drafting (topk {backend.topk}): the verify mask is not a causal window")
+        if getattr(backend, "dcp_size", 1) > 1:
+            reasons.append("decode context parallelism")
+        if getattr(backend, "sliding_window_size", None) not in (None, -1, 0):
+            reasons.append("sliding-window attention")
+        if getattr(backend, "enable_deterministic", False):
+            reasons.append("deterministic inference")
+        if getattr(backend, "_translate_kv_loc", None) is not None:
+            reasons.append("a unified (translated) KV pool")
+        if getattr(backend, "page_size", 1) != 1:
+            reasons.append(f"page size {backend.page_size}")
+        ok = not reasons
+        backend._sglang_ext_verify_ok = ok
+        if ok:
+            logger.info("[sglang_ext] MLA target verify runs as grouped decode attention (%s=decode)", ENV)
+        else:
+            logger.info("[sglang_ext] %s=decode not applied to this attention backend: %s", ENV, "; ".join(reasons))
+    return ok
+
+
+def verify_window_lengths(seq_lens: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
+    """KV length of each verify query, request-major: prefix + 1 .. prefix + n."""
+    steps = torch.arange(1, num_draft_tokens + 1, device=seq_lens.device, dtype=seq_lens.dtype)
+    return (seq_lens[:, None] + steps[None, :]).reshape(-1)
+
+
+def expand_verify_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                          num_draft_tokens: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> torch.Tensor:
+    """Fill `kv_indptr` (>= bs*n + 1 entries) and `kv_indices` for bs*n decode queries, query (b, i) reading
+    req_to_token[req_pool_indices[b], : seq_lens[b] + i + 1]; returns the per-query lengths. GPU work only
+    (no host synchronisation), so it runs inside CUDA-graph replay preparation."""
+    from sglang.kernels.ops.kvcache.kv_indices import create_flashinfer_kv_indices_triton
+
+    n = num_draft_tokens
+    lens = verify_window_lengths(seq_lens, n)
+    pools = req_pool_indices.repeat_interleave(n)
+    queries = lens.shape[0]
+    kv_indptr[0] = 0
+    kv_indptr[1: queries + 1] = torch.cumsum(lens, dim=0)
+    create_flashinfer_kv_indices_triton[(queries,)](
+        req_to_token, pools, lens, kv_indptr, None, kv_indices, req_to_token.stride(0))
+    return lens
+
+
+def _draft_tokens(backend, forward_batch) -> int:
+    spec = forward_batch.spec_info
+    n = getattr(spec, "draft_token_num", None) if spec is not None else None
+    return int(n) if n is not None else int(backend.num_draft_tokens)
+
+
+def _is_verify(forward_batch) -> bool:
+    return forward_batch.forward_mode.is_target_verify() and forward_batch.spec_info is not None
+
+
+def init_forward_metadata_after(result, self, forward_batch, *args, **kwargs):
+    """Eager (no CUDA graph) verify batch."""
+    setattr(self, FLAG, False)
+    if not _is_verify(forward_batch) or not applies(self):
+        return result
+    n = _draft_tokens(self, forward_batch)
+    bs = len(forward_batch.req_pool_indices)
+    seq_lens = forward_batch.seq_lens[:bs]
+    total = (n * forward_batch.seq_lens_sum + bs * n * (n + 1) // 2 if forward_batch.seq_lens_sum is not None
+             else bs * n * self.max_context_len)
+    kv_indptr = torch.empty(bs * n + 1, dtype=torch.int32, device=self.device)
+    kv_indices = torch.empty(total, dtype=torch.int64, device=self.device)
+    lens = expand_verify_indices(self.req_to_token, forward_batch.req_pool_indices[:bs], seq_lens, n,
+                                 kv_indptr, kv_indices)
+    num_kv_splits = torch.empty(bs * n, dtype=torch.int32, device=self.device)
+    self.get_num_kv_splits(num_kv_splits, lens)
+    self.forward_metadata = dataclasses.replace(
+        self.forward_metadata,
+        attn_logits=torch.empty((bs * n, self.num_head, self.max_kv_splits, self.v_head_dim), dtype=torch.float32,
+                                device=self.device),
+        attn_lse=torch.empty((bs * n, self.num_head, self.max_kv_splits), dtype=torch.float32, device=self.device),
+        num_kv_splits=num_kv_splits, kv_indptr=kv_indptr, kv_indices=kv_indices)
+    setattr(self, FLAG, True)
+    return result
+
+
+def init_forward_metadata_out_graph_after(result, self, forward_batch, in_capture: bool = False, *args, **kwargs):
+    """CUDA-graph verify batch: capture points the metadata at address-stable buffers; replay refills them."""
+    if not _is_verify(forward_batch) or not applies(self):
+        if in_capture:
+            setattr(self, FLAG, False)
+        return result
+    n = _draft_tokens(self, forward_batch)
+    bs = forward_batch.batch_size
+    queries = bs * n
+    buf = getattr(self, "_sglang_ext_verify_indptr", None)
+    if buf is None or buf.shape[0] < queries + 1:
+        if not in_capture:  # replay must find the buffer the graph captured
+            raise RuntimeError(f"{ENV}=decode: no captured verify buffers for batch size {bs}")
+        size = max(queries + 1, self.cuda_graph_attn_logits.shape[0] + 1)
+        buf = torch.zeros(size, dtype=torch.int32, device=self.device)
+        self._sglang_ext_verify_indptr = buf
+    if queries > self.cuda_graph_attn_logits.shape[0]:
+        raise RuntimeError(f"{ENV}=decode: {queries} verify queries exceed the CUDA-graph decode buffers "
+                           f"({self.cuda_graph_attn_logits.shape[0]})")
+    lens = expand_verify_indices(self.req_to_token, forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs],
+                                 n, buf, self.cuda_graph_kv_indices)
+    self.get_num_kv_splits(self.cuda_graph_num_kv_splits[:queries], lens)
+    if in_capture:
+        self.forward_metadata = dataclasses.replace(
+            self.forward_metadata, attn_logits=self.cuda_graph_attn_logits, attn_lse=self.cuda_graph_attn_lse,
+            num_kv_splits=self.cuda_graph_num_kv_splits, kv_indptr=buf[: queries + 1],
+            kv_indices=self.cuda_graph_kv_indices)
+        setattr(self, FLAG, True)
+    return result
+
+
+def forward_extend(original_fn, self, q, k, v, layer, forward_batch, save_kv_cache=True, *args, **kwargs):
+    if not (getattr(self, FLAG, False) and forward_batch.forward_mode.is_target_verify()):
+        return original_fn(self, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
+    # k and v None: the model stored this step's latent KV already (the extend path reads it back)
+    out = self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache and k is not None)
+    preset = getattr(forward_batch, "_attn_output", None)
+    if preset is not None:
+        preset.copy_(out.view_as(preset))
+        return preset
+    return out
+
+
+AFTER_HOOKS = {
+    "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_forward_metadata": init_forward_metadata_after,
+    "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_forward_metadata_out_graph":
+        init_forward_metadata_out_graph_after,
+}
+AROUND_HOOKS = {
+    "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend": forward_extend,
+}

@@ -1,0 +1,25 @@
+#!/bin/bash
+# Starts the GPU session's background work detached (a device `run` kills what it leaves in its own
+# session), then watches it. One GPU: the scale pipeline. Two GPUs (nvidia-h200-x2): the pipeline on
+# GPU 0 and the benchmark suite (eval.spec_bench all) on GPU 1, side by side.
+#   bash tests/gpu/launch.sh SECONDS_OF_WORK
+# Needs /tmp/site (install.sh), /tmp/gpu-data and the SmolLM2 GGUF halves in /tmp/teacher.
+set -e
+BUDGET=${1:-1450}
+export PYTHONPATH=/tmp/site:$PWD GPU_DATA=/tmp/gpu-data PYTHONUNBUFFERED=1
+if [ ! -f /tmp/teacher/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+  cat /tmp/teacher/*.part-aa .gpu-state/teacher/*.part-ab > /tmp/teacher/SmolLM2-135M-Instruct.Q4_1.gguf
+fi
+export TEACHER=/tmp/teacher/SmolLM2-135M-Instruct.Q4_1.gguf
+mkdir -p /tmp/scale /tmp/specbench
+rm -f /tmp/scale/progress.log /tmp/specbench/bench.log
+GPUS=$(nvidia-smi -L | wc -l)
+PIPE_DEADLINE=$(( $(date +%s) + BUDGET )) CUDA_VISIBLE_DEVICES=0 \
+  setsid nohup python tests/gpu/scale_pipeline.py run > /tmp/scale/pipeline.log 2>&1 < /dev/null &
+if [ "$GPUS" -ge 2 ]; then
+  CUDA_VISIBLE_DEVICES=1 SPEC_BENCH_WORK=/tmp/specbench setsid nohup bash -c \
+    "python -m eval.spec_bench all --out /tmp/specbench/benchmarks.md --port 31177 --deadline-s $(( BUDGET - 250 )); echo \"[bench] EXIT \$?\"" \
+    > /tmp/specbench/bench.log 2>&1 < /dev/null &
+fi
+sleep 3
+python tests/gpu/scale_pipeline.py watch $(( ${WATCH_S:-540} ))

@@ -1,0 +1,56 @@
+"""Chain target-verify of an MLA target as grouped decode attention (sglang_ext.serving.mla_verify):
+SGLang's own Triton kernels, run on the CPU by Triton's interpreter, compute the same verify attention
+both ways; the option's parsing and the plugin's registration."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_verify_as_decode_equals_upstreams_extend_kernel():
+    p = subprocess.run([sys.executable, os.path.join(HERE, "mla_verify_worker.py")], capture_output=True, text=True,
+                       env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    # query (b, i) reads the prefix and draft tokens 0..i: prefixes 9, 3, 14 with 4 verify tokens each
+    assert r["lens"] == [10, 11, 12, 13, 4, 5, 6, 7, 15, 16, 17, 18]
+    assert r["first_query_slots"] == r["expected_first_query_slots"]
+    assert r["extend_vs_ref"] < 1e-4 and r["decode_vs_ref"] < 1e-4 and r["decode_vs_extend"] < 1e-4
+
+
+def test_option_parsing(monkeypatch):
+    from sglang_ext.conventions import ConfigError
+    from sglang_ext.serving import mla_verify
+
+    for value, want in (("", False), ("off", False), ("decode", True), ("DECODE", True)):
+        monkeypatch.setenv(mla_verify.ENV, value)
+        assert mla_verify.requested() is want
+    monkeypatch.setenv(mla_verify.ENV, "fast")
+    with pytest.raises(ConfigError, match="SGLANG_EXT_MLA_VERIFY"):
+        mla_verify.requested()
+
+
+def test_hooks_name_real_sglang_symbols():
+    import importlib
+
+    from sglang_ext.serving import mla_verify
+
+    for path in [*mla_verify.AFTER_HOOKS, *mla_verify.AROUND_HOOKS]:
+        module, cls, fn = path.rsplit(".", 2)
+        assert callable(getattr(getattr(importlib.import_module(module), cls), fn)), path
+
+
+@pytest.mark.parametrize("value,wrapped", [("decode", True), ("", False)])
+def test_plugin_applies_the_hooks_only_when_asked(value, wrapped):
+    code = ("from sglang.srt.plugins import load_plugins; load_plugins(); "
+            "from sglang.srt.layers.attention.triton_backend import TritonAttnBackend as B; "
+            "print(hasattr(B.forward_extend, '__wrapped__'), hasattr(B.init_forward_metadata_out_graph, '__wrapped__'))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, SGLANG_EXT_MLA_VERIFY=value))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split()[-2:] == [str(wrapped), str(wrapped)]
