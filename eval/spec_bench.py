@@ -52,6 +52,10 @@ ARMS = {
     # chain verify of the MLA target as grouped decode attention (sglang_ext.serving.mla_verify, opt-in)
     "plugin-chain-verify-decode": ("mha", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "decode"}, True),
     "zero-accept-verify-decode": ("mha", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "decode"}, False),
+    # the protection with a depth-0 step as cheap as it can be made: verify as decode, no draft extend
+    "zero-accept-protected-verify-decode": ("mha", CHAIN + ["--speculative-adaptive"],
+                                            {"SGLANG_EXT_ADAPTIVE_POLICY": "cost", "SGLANG_EXT_MLA_VERIFY": "decode",
+                                             "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND": "1"}, False),
     "plugin-mla-chain": ("mla", CHAIN, {}, True),
     "plugin-tree": ("mha", TREE, {}, True),
     "plugin-fp8": ("mha", CHAIN, {"SGLANG_EXT_DRAFT_KV_CACHE_DTYPE": "fp8_e4m3"}, True),
@@ -63,7 +67,8 @@ ARMS = {
 
 # the order `all` runs them in: what the ratios need first (c comes from zero-accept at batch 1)
 PRIORITY = ["nospec", "plugin-chain", "upstream-chain", "plugin-chain-verify-decode", "zero-accept",
-            "zero-accept-verify-decode", "zero-accept-protected", "plugin-tree", "plugin-mla-chain", "plugin-fp8"]
+            "zero-accept-verify-decode", "zero-accept-protected-verify-decode", "zero-accept-protected", "plugin-tree",
+            "plugin-mla-chain", "plugin-fp8"]
 
 
 # ------------------------------------------------------------------------------------ build
@@ -268,7 +273,9 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
     row = {"arm": arm, "args": args, "env": env, "levels": {}}
     with Server(f"bench-{arm}", args, env) as srv:
         if not srv.wait_ready(420):
-            row["error"] = srv.log()[-3000:]
+            log = srv.log()
+            errors = [x for x in log.splitlines() if "Error" in x]
+            row["error"] = f"server did not start: {errors[-1][:300] if errors else 'no error line'}\n{log[-3000:]}"
             return row
         row["start_s"] = srv.ready_s
         measure(srv.url, prompts(8, input_len, seed=99), 8, [32] * 8)  # first-use kernel compiles, not timed
@@ -333,7 +340,8 @@ def ratio_rows(state: dict) -> list[dict]:
                      "verify-decode zero/nospec": r("zero-accept-verify-decode", "nospec"), "mla/nospec": r("plugin-mla-chain", "nospec"),
                      "tree/nospec": r("plugin-tree", "nospec"), "fp8/nospec": r("plugin-fp8", "nospec"),
                      "zero/nospec": r("zero-accept", "nospec"),
-                     "zero-protected/nospec": r("zero-accept-protected", "nospec")})
+                     "zero-protected/nospec": r("zero-accept-protected", "nospec"),
+                     "zero-protected-verify-decode/nospec": r("zero-accept-protected-verify-decode", "nospec")})
     return rows
 
 
@@ -362,8 +370,8 @@ def report(out_md: str) -> dict:
              "| concurrency | plugin/upstream (min-max) | chain/no-spec | chain, verify as decode/no-spec | "
              "MLA head/no-spec | tree/no-spec | "
              "fp8 draft KV/no-spec | zero acceptance/no-spec | zero acceptance, verify as decode/no-spec | "
-             "zero acceptance, protected/no-spec |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "zero acceptance, protected/no-spec | zero acceptance, protected, verify as decode/no-spec |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = r["plugin/upstream band"]
         lines.append(f"| {r['concurrency']} | {fmt(r['plugin/upstream'])}"
@@ -371,7 +379,7 @@ def report(out_md: str) -> dict:
                      f"{fmt(r['verify-decode chain/nospec'])} | "
                      f"{fmt(r['mla/nospec'])} | {fmt(r['tree/nospec'])} | {fmt(r['fp8/nospec'])} | "
                      f"{fmt(r['zero/nospec'])} | {fmt(r['verify-decode zero/nospec'])} | "
-                     f"{fmt(r['zero-protected/nospec'])} |")
+                     f"{fmt(r['zero-protected/nospec'])} | {fmt(r['zero-protected-verify-decode/nospec'])} |")
     if bound:
         lines += ["", f"Batch 1: measured draft/target step-cost ratio c = {bound['c']:.3f}; accepted drafts per "
                       f"step {bound['accepted_drafts_per_step']:.2f}; bound (1 + a)/(1 + k c) = {bound['bound']:.3f}; "

@@ -18,8 +18,10 @@ Opt-in with ``SGLANG_EXT_MLA_VERIFY=decode``. Extends (hooks registered by sglan
 when the variable is set), SGLang 0.5.17:
   * ``TritonAttnBackend.init_forward_metadata`` (AFTER) -- eager verify metadata: expanded KV
     indices, decode split buffers;
-  * ``TritonAttnBackend.init_forward_metadata_out_graph`` (AFTER) -- the same into address-stable
-    CUDA-graph buffers (capture and replay);
+  * ``TritonAttnBackend.init_cuda_graph_state`` (AFTER) -- one more address-stable buffer (the
+    expanded indptr) beside upstream's;
+  * ``TritonAttnBackend.init_forward_metadata_out_graph`` (AFTER) -- the same into the CUDA-graph
+    buffers (capture and replay);
   * ``TritonAttnBackend.forward_extend`` (AROUND) -- a verify batch with that metadata goes to
     ``forward_decode`` (which also stores the tokens' latent KV, as the extend path would).
 """
@@ -36,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "SGLANG_EXT_MLA_VERIFY"
 FLAG = "_sglang_ext_verify_as_decode"  # set on the backend while its metadata is ours
+INDPTR = "_sglang_ext_verify_indptr"  # [max_num_tokens + 1] int32, beside the backend's CUDA-graph buffers
 
 
 def requested() -> bool:
@@ -146,16 +149,10 @@ def init_forward_metadata_out_graph_after(result, self, forward_batch, in_captur
     n = _draft_tokens(self, forward_batch)
     bs = forward_batch.batch_size
     queries = bs * n
-    buf = getattr(self, "_sglang_ext_verify_indptr", None)
-    if buf is None or buf.shape[0] < queries + 1:
-        if not in_capture:  # replay must find the buffer the graph captured
-            raise RuntimeError(f"{ENV}=decode: no captured verify buffers for batch size {bs}")
-        size = max(queries + 1, self.cuda_graph_attn_logits.shape[0] + 1)
-        buf = torch.zeros(size, dtype=torch.int32, device=self.device)
-        self._sglang_ext_verify_indptr = buf
-    if queries > self.cuda_graph_attn_logits.shape[0]:
-        raise RuntimeError(f"{ENV}=decode: {queries} verify queries exceed the CUDA-graph decode buffers "
-                           f"({self.cuda_graph_attn_logits.shape[0]})")
+    buf = getattr(self, INDPTR, None)  # allocated with the backend's other CUDA-graph buffers
+    if buf is None or queries + 1 > buf.shape[0] or queries > self.cuda_graph_attn_logits.shape[0]:
+        raise RuntimeError(f"{ENV}=decode: {queries} verify queries exceed the CUDA-graph buffers "
+                           f"({None if buf is None else buf.shape[0] - 1}); unset {ENV} and report this")
     lens = expand_verify_indices(self.req_to_token, forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs],
                                  n, buf, self.cuda_graph_kv_indices)
     self.get_num_kv_splits(self.cuda_graph_num_kv_splits[:queries], lens)
@@ -165,6 +162,13 @@ def init_forward_metadata_out_graph_after(result, self, forward_batch, in_captur
             num_kv_splits=self.cuda_graph_num_kv_splits, kv_indptr=buf[: queries + 1],
             kv_indices=self.cuda_graph_kv_indices)
         setattr(self, FLAG, True)
+    return result
+
+
+def init_cuda_graph_state_after(result, self, max_bs: int, max_num_tokens: int, *args, **kwargs):
+    """Our one extra CUDA-graph buffer (the expanded indptr), paired with upstream's: a backend whose graph
+    state is rebuilt gets a new one with it, so replay always refills what its graphs captured."""
+    setattr(self, INDPTR, torch.zeros(max_num_tokens + 1, dtype=torch.int32, device=self.device))
     return result
 
 
@@ -181,6 +185,7 @@ def forward_extend(original_fn, self, q, k, v, layer, forward_batch, save_kv_cac
 
 
 AFTER_HOOKS = {
+    "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_cuda_graph_state": init_cuda_graph_state_after,
     "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_forward_metadata": init_forward_metadata_after,
     "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_forward_metadata_out_graph":
         init_forward_metadata_out_graph_after,

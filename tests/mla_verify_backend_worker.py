@@ -1,0 +1,122 @@
+"""Run under TRITON_INTERPRET=1 by tests/test_mla_verify.py: SGLang 0.5.17's own TritonAttnBackend
+methods on a chain target-verify batch of an MLA layer, on the CPU -- upstream's path
+(`init_forward_metadata` + `forward_extend`: the extend kernel) against the plugin's hooks
+(sglang_ext.serving.mla_verify: the same methods, then `forward_decode`: the grouped decode kernel),
+both eager and through the CUDA-graph metadata path (`init_cuda_graph_state`,
+`init_forward_metadata_out_graph` capture and replay). Real pools (MLATokenToKVPool, ReqToTokenPool),
+a real RadixAttention layer and real kernels; the backend object is built without its __init__
+(which needs a model runner and a GPU) and given the attributes that __init__ would set. Prints JSON."""
+
+import json
+import os
+import sys
+import types
+
+assert os.environ.get("TRITON_INTERPRET") == "1"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd  # noqa: E402
+from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd  # noqa: E402
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+
+from sglang_ext.serving import mla_verify  # noqa: E402
+
+torch.manual_seed(0)
+H, RANK, ROPE = 4, 512, 64
+LK, LV = RANK + ROPE, RANK
+n, pool_size, max_ctx, max_bs = 4, 160, 32, 4
+prefix = torch.tensor([9, 3, 14], dtype=torch.int64)
+bs = len(prefix)
+req_pool_indices = torch.tensor([2, 0, 1], dtype=torch.int64)
+
+kv_pool = MLATokenToKVPool(pool_size, 1, torch.float32, RANK, ROPE, 1, "cpu", False)
+req_to_token = torch.zeros(max_bs, max_ctx, dtype=torch.int32)
+perm = torch.randperm(pool_size - 1) + 1
+used = 0
+for b in range(bs):
+    L = int(prefix[b]) + n
+    req_to_token[req_pool_indices[b], :L] = perm[used: used + L].to(torch.int32)
+    used += L
+layer = RadixAttention(H, LK, LK ** -0.5, 1, 0, v_head_dim=LV)
+# the prefix's latent KV, as earlier steps stored it
+for b in range(bs):
+    slots = req_to_token[req_pool_indices[b], : prefix[b]].long()
+    kv_pool.set_kv_buffer(layer, slots, torch.randn(len(slots), 1, LK), torch.randn(len(slots), 1, LV))
+out_cache_loc = torch.cat([req_to_token[req_pool_indices[b], prefix[b]: prefix[b] + n].long() for b in range(bs)])
+q = torch.randn(bs * n, H * LK)
+k_new = torch.randn(bs * n, 1, LK)
+v_new = k_new[..., :LV].clone()  # MLA: the value is the latent part of the key
+
+
+def backend() -> TritonAttnBackend:
+    be = TritonAttnBackend.__new__(TritonAttnBackend)
+    torch.nn.Module.__init__(be) if isinstance(be, torch.nn.Module) else None
+    be.__dict__.update(
+        decode_attention_fwd=decode_attention_fwd, extend_attention_fwd=extend_attention_fwd, skip_prefill=False,
+        sliding_window_size=None, token_to_kv_pool=kv_pool, req_to_token=req_to_token, use_sliding_window_kv_pool=False,
+        page_size=1, _translate_kv_loc=None, num_draft_tokens=n, speculative_num_steps=n - 1, topk=1,
+        use_verify_splitkv=False, use_mla=True, dcp_size=1, dcp_rank=0, num_head=H, num_kv_head=1, v_head_dim=LV,
+        swa_v_head_dim=None, max_context_len=max_ctx, device=torch.device("cpu"), device_core_count=4,
+        static_kv_splits=False, max_kv_splits=4, use_pdl=False, allow_bidirectional_attention_in_extend=False,
+        enable_deterministic=False, split_tile_size=None, kv_indptr=torch.zeros(max_bs * n + 1, dtype=torch.int32),
+        window_kv_indptr=None, qo_indptr=torch.zeros(max_bs + 1, dtype=torch.int64),
+        mask_indptr=torch.zeros(max_bs + 1, dtype=torch.int64), forward_metadata=None, _verify_mask=None,
+        is_draft_runner=False)
+    return be
+
+
+def batch():
+    # EAGLE's verify mask for a chain: row i sees the whole prefix and draft tokens 0..i (request-major rows)
+    mask = torch.cat([torch.cat([torch.ones(n, int(p), dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()],
+                                dim=1).reshape(-1) for p in prefix])
+    spec = types.SimpleNamespace(draft_token_num=n, custom_mask=mask, kv_indptr=None)
+    return types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, spec_info=spec, batch_size=bs,
+                                 req_pool_indices=req_pool_indices, seq_lens=prefix, seq_lens_sum=int(prefix.sum()),
+                                 seq_lens_cpu=prefix, out_cache_loc=out_cache_loc, encoder_lens=None,
+                                 extend_prefix_lens=None, extend_seq_lens=None)
+
+
+def run(be, fb, use_graph_path: bool):
+    if use_graph_path:
+        be.init_forward_metadata_out_graph(fb, in_capture=True)
+        mla_verify.init_forward_metadata_out_graph_after(None, be, fb, in_capture=True)
+    else:
+        be.init_forward_metadata(fb)
+        mla_verify.init_forward_metadata_after(None, be, fb)
+    out = mla_verify.forward_extend(TritonAttnBackend.forward_extend, be, q.clone(), k_new.clone(), v_new.clone(),
+                                    layer, fb, True)
+    return out.view(bs * n, H, LV)
+
+
+result = {}
+up = backend()
+fb = batch()
+up.init_forward_metadata(fb)
+upstream = up.forward_extend(q.clone(), k_new.clone(), v_new.clone(), layer, fb, True).view(bs * n, H, LV)
+ours = run(backend(), batch(), use_graph_path=False)
+result["eager_max_diff"] = float((ours - upstream).abs().max())
+be = backend()
+be.init_cuda_graph_state(max_bs, max_bs * n)
+mla_verify.init_cuda_graph_state_after(None, be, max_bs, max_bs * n)
+graph = run(be, batch(), use_graph_path=True)
+result["graph_max_diff"] = float((graph - upstream).abs().max())
+# replay preparation refills the same buffers the captured metadata points at
+captured = be.forward_metadata
+be.init_forward_metadata_out_graph(batch(), in_capture=False)
+mla_verify.init_forward_metadata_out_graph_after(None, be, batch(), in_capture=False)
+result["replay_same_buffers"] = be.forward_metadata is captured and captured.kv_indptr.data_ptr() == \
+    getattr(be, mla_verify.INDPTR).data_ptr()
+# a prefill (not verify) batch after it goes to upstream's extend path untouched
+result["flag_after_verify"] = getattr(be, mla_verify.FLAG)
+prefill = batch()
+prefill.forward_mode = ForwardMode.EXTEND
+mla_verify.init_forward_metadata_after(None, be, prefill)
+result["flag_after_prefill"] = getattr(be, mla_verify.FLAG)
+result["prefill_goes_upstream"] = mla_verify.forward_extend(lambda *a, **k: "upstream", be, q, k_new, v_new, layer,
+                                                            prefill, True) == "upstream"
+result["upstream_norm"] = float(upstream.abs().mean())
+print(json.dumps(result))
