@@ -427,6 +427,12 @@ def _plot(state: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def arms_to_run(state: dict, wanted: list[str], redo: list[str]) -> list[str]:
+    """`wanted` in order, less the arms the state already measured without error (unless in `redo`)."""
+    done = {a for a, row in state.get("arms", {}).items() if "error" not in row and a not in redo}
+    return [a for a in wanted if a not in done]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.spec_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -456,6 +462,7 @@ def main(argv=None) -> int:
     for a in r._actions[1:]:  # the run options
         if a.dest != "arms":
             al._add_action(a)
+    al.add_argument("--redo", default="", help="comma-separated arms to measure again even if the state has them")
     al.add_argument("arms", nargs="*", metavar="ARM", help=f"default: {' '.join(PRIORITY)}")
     args = ap.parse_args(argv)
     if args.cmd == "all":
@@ -471,8 +478,7 @@ def main(argv=None) -> int:
             subprocess.run([sys.executable, "-m", "eval.spec_bench", "build", "--layers", str(args.layers)],
                            check=True)
         state = json.load(open(f"{WORK}/state.json"))
-        done = {a for a, row in state.get("arms", {}).items() if "error" not in row}
-        todo = [a for a in (args.arms or PRIORITY) if a not in done]
+        todo = arms_to_run(state, args.arms or PRIORITY, [a for a in args.redo.split(",") if a])
         run_opts = ["--concurrency", args.concurrency, "--repeats", str(args.repeats), "--input-len",
                     str(args.input_len), "--output-len", str(args.output_len), "--max-bs", str(args.max_bs),
                     "--mem-fraction-static", str(args.mem_fraction_static), "--port", str(args.port),

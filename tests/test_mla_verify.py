@@ -43,10 +43,13 @@ def test_option_parsing(monkeypatch):
 
     for value, want in (("", False), ("off", False), ("decode", True), ("DECODE", True)):
         monkeypatch.setenv(mla_verify.ENV, value)
-        assert mla_verify.requested() is want
+        assert mla_verify.requested() is want and mla_verify.validate() is want
+    # a typo must not turn the plugin off at registration (SGLang's loader swallows exceptions there):
+    # the hooks are registered and the server start refuses the value
     monkeypatch.setenv(mla_verify.ENV, "fast")
-    with pytest.raises(ConfigError, match="SGLANG_EXT_MLA_VERIFY"):
-        mla_verify.requested()
+    assert mla_verify.requested()
+    with pytest.raises(ConfigError, match="SGLANG_EXT_MLA_VERIFY.*'decode'"):
+        mla_verify.validate()
 
 
 def test_hooks_name_real_sglang_symbols():

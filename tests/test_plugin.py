@@ -135,3 +135,19 @@ def test_operator_override_env(declared_draft):
     r = _result(p)
     assert r["specforge"] == [[4, 21, 29], True, "override"]
     assert r["llama"] == [4, 21, 29]
+
+
+def test_bad_option_value_stops_the_server_start_not_the_plugin(declared_draft):
+    """An unknown SGLANG_EXT_MLA_VERIFY value: the plugin still registers (SGLang's loader would swallow an
+    exception there and run without it), and the target's startup hook refuses the value."""
+    code = PATCHED.replace("sys.argv[1]", repr(declared_draft)).split("    out = {")[0] + """
+    out = {"wrapped": hasattr(DeepseekV3ForCausalLM.set_eagle3_layers_to_capture, "__wrapped__")}
+    try:
+        call(DeepseekV3ForCausalLM, ds, [1, 29, 57])
+    except Exception as e:
+        out["bad"] = [type(e).__name__, str(e)]
+    print("RESULT" + json.dumps(out))
+"""
+    r = _result(run_py(code, SGLANG_PLUGINS="sglang_eagle3_mla", SGLANG_EXT_MLA_VERIFY="fast"))
+    assert r["wrapped"]
+    assert r["bad"][0] == "ConfigError" and "SGLANG_EXT_MLA_VERIFY" in r["bad"][1] and "'fast'" in r["bad"][1]

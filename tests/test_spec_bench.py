@@ -121,3 +121,12 @@ def test_upstream_copy_reads_the_same_layers_under_both_engines(tmp_path):
     ours = engine_output_ids("sglang-ext", target, parse_draft(cfg))
     assert engine_output_ids("sglang", target, parse_draft(copy)) == ours == [1, 7, 12]
     assert engine_output_ids("sglang-ext", target, parse_draft(copy)) == ours
+
+
+def test_all_retries_failed_arms_and_redoes_on_request():
+    state = {"arms": {"nospec": {"levels": {}}, "upstream-chain": {"error": "server did not start"},
+                      "plugin-chain": {"levels": {}}}}
+    assert sb.arms_to_run(state, sb.PRIORITY[:4], []) == ["upstream-chain", "plugin-chain-verify-decode"]
+    assert sb.arms_to_run(state, sb.PRIORITY[:4], ["nospec"]) == ["nospec", "upstream-chain",
+                                                                  "plugin-chain-verify-decode"]
+    assert set(sb.PRIORITY) <= set(sb.ARMS)

@@ -165,9 +165,10 @@ def make_hook(family: str):
                                                  "DeepseekV32ForCausalLM"):
             arch = "DeepseekV3ForCausalLM"  # a VL wrapper's text model (Kimi-K2.5) is a DeepseekV3
         plan = plan_for_target(config, arch, layer_ids, server_draft_path(), os.environ.get(OVERRIDE_ENV))
-        from sglang_ext.serving import adaptive
+        from sglang_ext.serving import adaptive, mla_verify
 
         adaptive.warn_if_inert(server_args())  # an unknown policy name is refused here, at startup
+        mla_verify.validate()  # so is an unknown SGLANG_EXT_MLA_VERIFY value
         num_layers = int(config["num_hidden_layers"])
         _apply_plan(self, plan, num_layers, family)
         upstream = None

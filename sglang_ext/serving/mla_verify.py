@@ -41,9 +41,20 @@ FLAG = "_sglang_ext_verify_as_decode"  # set on the backend while its metadata i
 INDPTR = "_sglang_ext_verify_indptr"  # [max_num_tokens + 1] int32, beside the backend's CUDA-graph buffers
 
 
+OFF_VALUES = ("", "off", "extend", "upstream")
+
+
 def requested() -> bool:
+    """Whether the operator set the variable at all (then the hooks are registered). Never raises: SGLang's
+    plugin loader logs and swallows an exception from ``register()``, which would silently turn the whole
+    plugin off; an unknown value is refused by ``validate()`` at server start instead."""
+    return os.environ.get(ENV, "").strip().lower() not in OFF_VALUES
+
+
+def validate() -> bool:
+    """True for 'decode', False when unset; an unknown value stops the server with field, value and fix."""
     value = os.environ.get(ENV, "").strip().lower()
-    if value in ("", "off", "extend", "upstream"):
+    if value in OFF_VALUES:
         return False
     if value != "decode":
         from sglang_ext.conventions import ConfigError
@@ -56,6 +67,7 @@ def applies(backend) -> bool:
     """Only where the decode kernel computes exactly what the extend kernel would."""
     ok = getattr(backend, "_sglang_ext_verify_ok", None)
     if ok is None:
+        validate()  # raises on an unknown value (also for NEXTN/MTP servers, where no Eagle3 hook runs)
         reasons = []
         if not getattr(backend, "use_mla", False):
             reasons.append("the target is not MLA")

@@ -17,8 +17,10 @@ GPUS=$(nvidia-smi -L | wc -l)
 PIPE_DEADLINE=$(( $(date +%s) + BUDGET )) CUDA_VISIBLE_DEVICES=0 \
   setsid nohup python tests/gpu/scale_pipeline.py run > /tmp/scale/pipeline.log 2>&1 < /dev/null &
 if [ "$GPUS" -ge 2 ]; then
+  # BENCH_STATE: an earlier run's state.json (e.g. docs/bench/state-*.json) whose arms are kept, not re-run
+  [ -n "$BENCH_STATE" ] && [ ! -f /tmp/specbench/state.json ] && cp "$BENCH_STATE" /tmp/specbench/state.json
   CUDA_VISIBLE_DEVICES=1 SPEC_BENCH_WORK=/tmp/specbench setsid nohup bash -c \
-    "python -m eval.spec_bench all --out /tmp/specbench/benchmarks.md --port 31177 --deadline-s $(( BUDGET - 250 )); echo \"[bench] EXIT \$?\"" \
+    "python -m eval.spec_bench all --out /tmp/specbench/benchmarks.md --port 31177 --deadline-s $(( BUDGET - 250 )) ${BENCH_ARGS:-}; echo \"[bench] EXIT \$?\"" \
     > /tmp/specbench/bench.log 2>&1 < /dev/null &
 fi
 sleep 3

@@ -234,12 +234,15 @@ def step_wait_trainers(trainers: dict) -> None:
 
 
 def step_arms(arms: list[str]) -> None:
-    arms = [a for a in arms if os.path.exists(f"{CHECK_WORK}/head-{a.split('-')[0]}/model.safetensors")]
+    def head(arm: str) -> str:
+        return "mha" if arm.startswith("upstream-") else arm.split("-")[0]
+
+    arms = [a for a in arms if os.path.exists(f"{CHECK_WORK}/head-{head(a)}/model.safetensors")]
     if not arms or left() < 200:
         say(f"arms: {arms} skipped ({'no head' if not arms else 'no time'})")
         return
     global REF_EVAL
-    if REF_EVAL is None and "mha" in {a.split("-")[0] for a in arms} and not os.path.exists(
+    if REF_EVAL is None and "mha" in {head(a) for a in arms} and not os.path.exists(
             f"{RESULTS}/gsm8k-reference/report.json"):
         REF_EVAL = subprocess.Popen(
             [PY, "-m", "eval.gsm8k", "--target", TARGET, "--draft", f"{CHECK_WORK}/head-mha", "--device", "cuda",
@@ -315,8 +318,8 @@ def run() -> int:
         step_build()
         trainers = step_target_and_regen()
         # the MHA head's arms run while the MLA head still trains (it started later, on the MHA run's features)
-        wanted = os.environ.get("PIPE_ARMS", "mha-chain mha-chain-verify-decode mla-chain mla-tree "
-                                "mla-chain-verify-decode mha-tree mha-chain-fp8 mha-chain-no-overlap "
+        wanted = os.environ.get("PIPE_ARMS", "mha-chain mha-chain-verify-decode mla-chain-verify-decode "
+                                "upstream-mha-chain mla-tree mla-chain mha-tree mha-chain-fp8 mha-chain-no-overlap "
                                 "mha-chain-sampled mla-tree-sampled").split()
         first = [a for a in wanted if a.startswith("mha-")][:2]
         step_wait_trainers({k: v for k, v in trainers.items() if k == "mha"})
