@@ -21,10 +21,10 @@ args = parse_args(SP.TRAIN_COMMON + SP.TRAIN_DATA + ["--work", "/tmp/w", "--draf
 p = argparse.ArgumentParser()
 ServerArgs.add_cli_args(p)
 lines = {}
-for name, (head, drafting, env, refuse, max_new) in CS.ARMS.items():
-    a = p.parse_args(CS.server_args(None if head is None else head.replace("-upstream", ""), drafting))
+for name in CS.ARMS:
+    a = p.parse_args(CS.arm_args(name))
     lines[name] = [a.speculative_algorithm, a.speculative_eagle_topk, a.disable_overlap_schedule, a.enable_fp32_lm_head,
-                   a.max_running_requests]
+                   a.max_running_requests, a.enable_deterministic_inference]
 print(json.dumps({"train": [args.batch_tokens, args.profile_steps, args.max_train_minutes, args.ttt_steps,
                             args.draft_format], "arms": lines}))
 """
@@ -40,3 +40,7 @@ def test_gpu_script_command_lines_parse():
     assert arms["target"][0] is None and arms["mha-chain"][:2] == ["EAGLE3", 1] and arms["mla-tree"][1] == 4
     assert arms["mha-chain-no-overlap"][2] is True and arms["mha-chain"][2] is False
     assert all(a[3] is True and a[4] == 64 for a in arms.values())
+    # the batch-invariant pair: the target alone and a chain arm, both with SGLang's deterministic mode
+    assert {n for n, a in arms.items() if a[5]} == {"target-deterministic", "mha-chain-deterministic",
+                                                   "mla-chain-deterministic"}
+    assert arms["mha-chain-deterministic"][:2] == ["EAGLE3", 1] and arms["target-deterministic"][0] is None

@@ -68,6 +68,16 @@ ARMS = {
     "mha-chain-sampled": ("mha", CHAIN, {}, False, None),
     "mla-tree-sampled": ("mla", TREE, {}, False, None),
 }
+# SGLang's batch-invariant mode (--enable-deterministic-inference: batch-invariant GEMMs, fixed attention
+# split tiles), where a verify forward and a decode forward compute a token's row identically; these arms are
+# compared with "target-deterministic", not with the default target arm. Greedy speculation must then give
+# the target's output exactly -- a check that bf16 kernel differences cannot blur.
+DETERMINISTIC = {"target-deterministic", "mha-chain-deterministic", "mla-chain-deterministic"}
+ARMS.update({
+    "target-deterministic": (None, [], {}, False, None),
+    "mha-chain-deterministic": ("mha", CHAIN, {}, False, None),
+    "mla-chain-deterministic": ("mla", CHAIN, {}, False, None),
+})
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 WORDS = ["the", "a", "of", "and", "to", "is", "in", "number", "answer", "apples", "cost", "dollars", "what",
          "how", "many", "total", "each", "has"]
@@ -155,6 +165,11 @@ def server_args(head: str | None, drafting: list[str]) -> list[str]:
         args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", f"{WORK}/head-{head}",
                  *drafting]
     return args
+
+
+def arm_args(name: str) -> list[str]:
+    head, drafting = ARMS[name][:2]
+    return server_args(head, drafting) + (["--enable-deterministic-inference"] if name in DETERMINISTIC else [])
 
 
 def same_prompts_acceptance(srv: Server, head: str) -> dict | None:
@@ -396,7 +411,8 @@ def main():
         if head is not None:  # SGLang reads the draft directory's tokenizer files too
             os.system(f"cp -n {WORK}/target/tokenizer*.json {WORK}/target/chat_template.jinja {WORK}/head-{head}/ "
                       "2>/dev/null")
-        args = server_args(head, drafting)
+        args = arm_args(name)
+        ref_key = "reference-deterministic" if name in DETERMINISTIC else "reference"
         row = {"arm": name, "head": head, "drafting": " ".join(drafting), "env": env}
         t = time.time()
         with Server(f"serve-{name}", args, env) as srv:
@@ -423,7 +439,7 @@ def main():
                 row["output_tokens"] = sum(len(r["ids"]) for r in rows)
                 log = srv.log()
                 if head is None:
-                    state["reference"] = rows
+                    state[ref_key] = rows
                     row["passed"] = True
                 elif head == "mha-upstream":
                     metas = [r["meta"] for r in rows]
@@ -444,7 +460,9 @@ def main():
                                                     and row["pool"]["arithmetic_matches"])
                         row["passed"] = row["accounting_passed"]
                     elif max_new is None:
-                        row["vs_target"] = compare(state["reference"], rows)
+                        if ref_key not in state:
+                            raise SystemExit(f"{name}: run its reference arm first (target{ref_key[9:]})")
+                        row["vs_target"] = compare(state[ref_key], rows)
                         up = state.get("outputs", {}).get("upstream-mha-chain")
                         if up is not None and name == "mha-chain":
                             row["identical_to_upstream"] = sum(a == b for a, b in zip(up, [r["ids"] for r in rows]))
@@ -476,7 +494,7 @@ def main():
         json.dump(state, open(state_path, "w"))
         brief = {k: v for k, v in row.items() if k not in ("lines",)}
         print(json.dumps(brief, indent=1), flush=True)
-    summary = {k: v for k, v in state.items() if k not in ("prompts", "reference")}
+    summary = {k: v for k, v in state.items() if k not in ("prompts", "reference", "reference-deterministic")}
     json.dump(summary, open(f"{OUT}/serving.json", "w"), indent=1)
     os.system(f"mkdir -p {OUT}/state && cp {WORK}/state.json {OUT}/state/ && for h in mha mla; do "
               f"mkdir -p {OUT}/state/head-$h && cp {WORK}/head-$h/config.json {WORK}/head-$h/model.safetensors "

