@@ -1,9 +1,9 @@
-"""Run under TRITON_INTERPRET=1 by tests/test_mla_verify.py: SGLang 0.5.17's own TritonAttnBackend
-methods on a chain target-verify batch of an MLA layer, on the CPU -- upstream's path
+"""Run under TRITON_INTERPRET=1 by tests/test_mla_verify.py (argument `tree` for a draft tree, else a
+chain): SGLang 0.5.17's own TritonAttnBackend methods on a target-verify batch of an MLA layer, on the CPU -- upstream's path
 (`init_forward_metadata` + `forward_extend`: the extend kernel) against the plugin's hooks
 (sglang_ext.serving.mla_verify: the same methods, then `forward_decode`: the grouped decode kernel),
 both eager and through the CUDA-graph metadata path (`init_cuda_graph_state`,
-`init_forward_metadata_out_graph` capture and replay). Real pools (MLATokenToKVPool, ReqToTokenPool),
+`init_forward_metadata_out_graph` capture and replay). Real pools (MLATokenToKVPool; req_to_token as ReqToTokenPool holds it),
 a real RadixAttention layer and real kernels; the backend object is built without its __init__
 (which needs a model runner and a GPU) and given the attributes that __init__ would set. Prints JSON."""
 
@@ -25,6 +25,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E4
 
 from sglang_ext.serving import mla_verify  # noqa: E402
 
+TREE = sys.argv[1:] == ["tree"]  # else a chain
 torch.manual_seed(0)
 H, RANK, ROPE = 4, 512, 64
 LK, LV = RANK + ROPE, RANK
@@ -58,7 +59,7 @@ def backend() -> TritonAttnBackend:
     be.__dict__.update(
         decode_attention_fwd=decode_attention_fwd, extend_attention_fwd=extend_attention_fwd, skip_prefill=False,
         sliding_window_size=None, token_to_kv_pool=kv_pool, req_to_token=req_to_token, use_sliding_window_kv_pool=False,
-        page_size=1, _translate_kv_loc=None, num_draft_tokens=n, speculative_num_steps=n - 1, topk=1,
+        page_size=1, _translate_kv_loc=None, num_draft_tokens=n, speculative_num_steps=n - 1, topk=2 if TREE else 1,
         use_verify_splitkv=False, use_mla=True, dcp_size=1, dcp_rank=0, num_head=H, num_kv_head=1, v_head_dim=LV,
         swa_v_head_dim=None, max_context_len=max_ctx, device=torch.device("cpu"), device_core_count=4,
         static_kv_splits=False, max_kv_splits=4, use_pdl=False, allow_bidirectional_attention_in_extend=False,
@@ -70,9 +71,11 @@ def backend() -> TritonAttnBackend:
 
 
 def batch():
-    # EAGLE's verify mask for a chain: row i sees the whole prefix and draft tokens 0..i (request-major rows)
-    mask = torch.cat([torch.cat([torch.ones(n, int(p), dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()],
-                                dim=1).reshape(-1) for p in prefix])
+    # EAGLE's verify mask: row i sees the whole prefix and, of the draft tokens, its ancestors and itself --
+    # a chain's 0..i, or a tree (root 0; 1 and 2 children of 0; 3 a child of 1), request-major rows
+    draft = torch.ones(n, n, dtype=torch.bool).tril() if not TREE else torch.tensor(
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.cat([torch.ones(n, int(p), dtype=torch.bool), draft], dim=1).reshape(-1) for p in prefix])
     spec = types.SimpleNamespace(draft_token_num=n, custom_mask=mask, kv_indptr=None)
     return types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, spec_info=spec, batch_size=bs,
                                  req_pool_indices=req_pool_indices, seq_lens=prefix, seq_lens_sum=int(prefix.sum()),

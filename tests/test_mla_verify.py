@@ -23,12 +23,14 @@ def test_verify_as_decode_equals_upstreams_extend_kernel():
     assert r["extend_vs_ref"] < 1e-4 and r["decode_vs_ref"] < 1e-4 and r["decode_vs_extend"] < 1e-4
 
 
-def test_hooks_on_sglangs_triton_backend_equal_its_own_verify():
-    """SGLang's TritonAttnBackend (its real methods, pools, layer and kernels) computes a chain verify batch
-    of an MLA layer the same with the plugin's hooks as without them, eager and through the CUDA-graph
-    metadata path; replay refills the captured buffers; a prefill batch after it is left to upstream."""
-    p = subprocess.run([sys.executable, os.path.join(HERE, "mla_verify_backend_worker.py")], capture_output=True,
-                       text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)
+@pytest.mark.parametrize("drafting", ["chain", "tree"])
+def test_hooks_on_sglangs_triton_backend_equal_its_own_verify(drafting):
+    """SGLang's TritonAttnBackend (its real methods, pools, layer and kernels) computes a verify batch of an
+    MLA layer -- a chain, or a tree read from EAGLE's verify mask -- the same with the plugin's hooks as
+    without them, eager and through the CUDA-graph metadata path; replay refills the captured buffers; a
+    prefill batch after it is left to upstream."""
+    p = subprocess.run([sys.executable, os.path.join(HERE, "mla_verify_backend_worker.py"), drafting],
+                       capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["upstream_norm"] > 0.1  # a real output, not zeros

@@ -8,11 +8,12 @@ plain decoding at 2 accepted drafts per step, and a draft that never accepts at 
 (docs/benchmarks.md). Upstream has a split-KV verify kernel, but only for AMD (gfx95).
 
 What: for a chain (topk 1) each verify token i of request b attends to exactly the request's prefix
-plus draft tokens 0..i -- a causal window. So the verify batch of bs x n tokens is run as bs x n
-decode queries through the same grouped MLA decode kernel plain decoding uses (heads grouped over
-the one latent KV head, split-KV), with per-query KV index lists built from ``req_to_token``
+plus draft tokens 0..i -- a causal window; in a tree (topk > 1), the prefix plus its ancestors and
+itself, as EAGLE's verify mask says. So the verify batch of bs x n tokens is run as bs x n decode
+queries through the same grouped MLA decode kernel plain decoding uses (heads grouped over the one
+latent KV head, split-KV), with per-query KV index lists built on the GPU from ``req_to_token``
 (EAGLE v2 has already written the draft tokens' slots there: ``eagle_prepare_for_verify`` reads
-``out_cache_loc`` from it). Trees (topk > 1) keep upstream's kernel: their mask is not a window.
+``out_cache_loc`` from it) and, for trees, the mask (``verify_kernels.py``).
 
 Opt-in with ``SGLANG_EXT_MLA_VERIFY=decode``. Extends (hooks registered by sglang_ext.plugin only
 when the variable is set), SGLang 0.5.17:
@@ -71,8 +72,6 @@ def applies(backend) -> bool:
         reasons = []
         if not getattr(backend, "use_mla", False):
             reasons.append("the target is not MLA")
-        if (getattr(backend, "topk", 0) or 0) > 1:
-            reasons.append(f"tree drafting (topk {backend.topk}): the verify mask is not a causal window")
         if getattr(backend, "dcp_size", 1) > 1:
             reasons.append("decode context parallelism")
         if getattr(backend, "sliding_window_size", None) not in (None, -1, 0):
@@ -116,6 +115,22 @@ def expand_verify_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Te
     return lens
 
 
+def _fill(backend, forward_batch, bs: int, n: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> torch.Tensor:
+    """Per-query KV index lists: a chain's causal windows, or for a tree (topk > 1) the rows of EAGLE's
+    verify mask, which upstream's metadata has just put in place (eager: the batch's; CUDA graph: the
+    backend's mask buffer, refilled before each replay)."""
+    pools, seq_lens = forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs]
+    if (getattr(backend, "topk", 0) or 0) <= 1:
+        return expand_verify_indices(backend.req_to_token, pools, seq_lens, n, kv_indptr, kv_indices)
+    meta = backend.forward_metadata
+    if meta is None or meta.custom_mask is None or meta.mask_indptr is None:
+        raise RuntimeError(f"{ENV}=decode: a tree verify batch without its mask; unset {ENV} and report this")
+    from sglang_ext.serving.verify_kernels import tree_verify_indices
+
+    return tree_verify_indices(backend.req_to_token, pools, seq_lens, n, meta.custom_mask, meta.mask_indptr,
+                               kv_indptr, kv_indices)
+
+
 def _draft_tokens(backend, forward_batch) -> int:
     spec = forward_batch.spec_info
     n = getattr(spec, "draft_token_num", None) if spec is not None else None
@@ -133,13 +148,11 @@ def init_forward_metadata_after(result, self, forward_batch, *args, **kwargs):
         return result
     n = _draft_tokens(self, forward_batch)
     bs = len(forward_batch.req_pool_indices)
-    seq_lens = forward_batch.seq_lens[:bs]
-    total = (n * forward_batch.seq_lens_sum + bs * n * (n + 1) // 2 if forward_batch.seq_lens_sum is not None
-             else bs * n * self.max_context_len)
+    total = (n * forward_batch.seq_lens_sum + bs * n * n if forward_batch.seq_lens_sum is not None
+             else bs * n * self.max_context_len)  # at most: every query sees its prefix and all n tokens
     kv_indptr = torch.empty(bs * n + 1, dtype=torch.int32, device=self.device)
     kv_indices = torch.empty(total, dtype=torch.int64, device=self.device)
-    lens = expand_verify_indices(self.req_to_token, forward_batch.req_pool_indices[:bs], seq_lens, n,
-                                 kv_indptr, kv_indices)
+    lens = _fill(self, forward_batch, bs, n, kv_indptr, kv_indices)
     num_kv_splits = torch.empty(bs * n, dtype=torch.int32, device=self.device)
     self.get_num_kv_splits(num_kv_splits, lens)
     self.forward_metadata = dataclasses.replace(
@@ -165,8 +178,7 @@ def init_forward_metadata_out_graph_after(result, self, forward_batch, in_captur
     if buf is None or queries + 1 > buf.shape[0] or queries > self.cuda_graph_attn_logits.shape[0]:
         raise RuntimeError(f"{ENV}=decode: {queries} verify queries exceed the CUDA-graph buffers "
                            f"({None if buf is None else buf.shape[0] - 1}); unset {ENV} and report this")
-    lens = expand_verify_indices(self.req_to_token, forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs],
-                                 n, buf, self.cuda_graph_kv_indices)
+    lens = _fill(self, forward_batch, bs, n, buf, self.cuda_graph_kv_indices)
     self.get_num_kv_splits(self.cuda_graph_num_kv_splits[:queries], lens)
     if in_capture:
         self.forward_metadata = dataclasses.replace(

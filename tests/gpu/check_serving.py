@@ -60,6 +60,7 @@ ARMS = {
     # chain verify of the MLA target as grouped decode attention (sglang_ext.serving.mla_verify, opt-in)
     "mha-chain-verify-decode": ("mha", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "decode"}, False, None),
     "mla-chain-verify-decode": ("mla", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "decode"}, False, None),
+    "mla-tree-verify-decode": ("mla", TREE, {"SGLANG_EXT_MLA_VERIFY": "decode"}, False, None),
     "simulate-2.5": ("mha", CHAIN, {"SGLANG_SIMULATE_ACC_LEN": "2.5"}, False, 400),
     "mla-fp8-refused": ("mla", CHAIN, FP8, True, None),
     # the non-overlap scheduler path (greedy: still equal to the target alone)

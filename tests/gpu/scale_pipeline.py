@@ -319,7 +319,7 @@ def run() -> int:
         trainers = step_target_and_regen()
         # the MHA head's arms run while the MLA head still trains (it started later, on the MHA run's features)
         wanted = os.environ.get("PIPE_ARMS", "mha-chain mha-chain-verify-decode target-deterministic "
-                                "mha-chain-deterministic mla-chain-verify-decode upstream-mha-chain mla-tree mla-chain "
+                                "mha-chain-deterministic mla-chain-verify-decode mla-tree-verify-decode upstream-mha-chain mla-tree mla-chain "
                                 "mha-tree mha-chain-fp8 mha-chain-no-overlap mha-chain-sampled mla-tree-sampled").split()
         # the arms before the first one that needs the MLA head run while that head may still train
         cut = next((i for i, a in enumerate(wanted) if a.startswith("mla-")), len(wanted))
