@@ -9,12 +9,16 @@ trainer, evaluation, head formats, worker + metrics). Steps, each skipped when i
 3. upstream the same target in SGLang without the plugin: greedy vs transformers;
 4. heads   `training.train_draft` MHA and MLA (the MLA run reuses the MHA run's regenerated data and
            features), concurrently on the GPU;
-5. arms    tests/gpu/check_serving.py on this target: chain and tree with each head (equality with the
-           target arm, accounting views, pool lines, served vs reference acceptance on the heads' own
-           held-out prompts; the GSM8K eval with speculation), and the GSM8K eval through the
-           reference decoder on the same questions.
+5. arms    tests/gpu/check_serving.py on this target (PIPE_ARMS; those not needing the MLA head first,
+           while it may still train): chain and tree with each head, upstream's kernel and verify as
+           decode attention, the batch-invariant pair, upstream EAGLE3 (equality with the target arm,
+           accounting views, pool lines, served vs reference acceptance on the heads' own held-out
+           prompts; the GSM8K eval with speculation), and the GSM8K eval through the reference
+           decoder on the same questions, compared per question with the server's
+           (results/gsm8k_agreement.json).
 
-Started detached (a device `run` kills what it leaves running unless it has its own session):
+Started detached (a device `run` kills what it leaves running unless it has its own session) -- usually
+through tests/gpu/launch.sh, which also starts the benchmark on a second GPU -- or by hand:
 
     mkdir -p /tmp/scale && rm -f /tmp/scale/progress.log   # the watcher stops at a DONE/FAILED line
     (setsid nohup python tests/gpu/scale_pipeline.py run > /tmp/scale/pipeline.log 2>&1 < /dev/null &)
