@@ -475,7 +475,8 @@ def main(argv=None) -> int:
         state = {}
         if os.path.exists(f"{WORK}/state.json"):
             state = json.load(open(f"{WORK}/state.json"))
-        if "build" not in state:  # in its own process: this one must not hold GPU memory while servers run
+        built = all(os.path.exists(f"{WORK}/{d}/config.json") for d in ("target", "head-mha", "head-mla"))
+        if "build" not in state or not built:  # own process: this one must hold no GPU memory while servers run
             import subprocess
 
             subprocess.run([sys.executable, "-m", "eval.spec_bench", "build", "--layers", str(args.layers)],
