@@ -44,3 +44,22 @@ def test_gpu_script_command_lines_parse():
     assert {n for n, a in arms.items() if a[5]} == {"target-deterministic", "mha-chain-deterministic",
                                                    "mla-chain-deterministic"}
     assert arms["mha-chain-deterministic"][:2] == ["EAGLE3", 1] and arms["target-deterministic"][0] is None
+
+
+def test_compare_tp_scores_partings_by_the_first_runs_gaps():
+    sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+    from compare_tp import compare_runs
+
+    first = {"reference": [{"ids": [1, 2, 3], "top2": [[-0.1, -3.0], [-0.5, -0.51], [-0.2, -2.0]]},
+                           {"ids": [4, 5], "top2": [[-0.1, -2.0], [-0.1, -4.0]]}],
+             "outputs": {"target": [[1, 2, 3], [4, 5]], "mha-chain": [[1, 2, 3], [4, 5]]},
+             "results": {"mha-chain": {"accepted_drafts_per_step": 0.5, "all_views_agree": True,
+                                       "invariant_failures": 0, "views": {"meta_info": {"position": [3, 1, 0]}}}}}
+    second = {"outputs": {"target": [[1, 2, 3], [4, 5]], "mha-chain": [[1, 9, 9], [4, 7]]},
+              "results": {"mha-chain": {"accepted_drafts_per_step": 0.52, "all_views_agree": True,
+                                        "invariant_failures": 0, "views": {"meta_info": {"position": [3, 1, 1]}}}}}
+    r = compare_runs(first, second)
+    assert r["target"]["vs_first_run"]["identical"] == 2
+    v = r["mha-chain"]["vs_first_run"]  # parts at a 0.01 gap (a near tie) and at a 3.9 gap (a real parting)
+    assert (v["identical"], v["near_tie_partings"], v["other_partings"]) == (0, 1, 1)
+    assert r["mha-chain"]["accepted_drafts_per_step_second"] == 0.52 and r["mha-chain"]["position_first"] == [3, 1, 0]
