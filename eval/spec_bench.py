@@ -239,7 +239,7 @@ def trace_summary(path: str, steps: int, top: int = 12) -> dict:
             "steps": steps, "top_kernels_ms_per_step": [(n[:90], round(t / 1e3 / steps, 3)) for n, t in ranked]}
 
 
-def profile_level(srv, url: str, ps: list[str], concurrency: int, output_len: int, steps: int, out_dir: str) -> dict:
+def profile_level(srv, ps: list[str], concurrency: int, output_len: int, steps: int, out_dir: str) -> dict:
     """Profile `steps` scheduler steps in the middle of a run at `concurrency` (SGLang's /start_profile)."""
     import glob
     import threading
@@ -248,7 +248,7 @@ def profile_level(srv, url: str, ps: list[str], concurrency: int, output_len: in
 
     os.makedirs(out_dir, exist_ok=True)
     before = set(glob.glob(f"{out_dir}/**/*.json*", recursive=True))
-    load = threading.Thread(target=measure, args=(url, ps, concurrency, [output_len] * len(ps)))
+    load = threading.Thread(target=measure, args=(srv.url, ps, concurrency, [output_len] * len(ps)))
     load.start()
     time.sleep(3)  # past the prefills: decode steps at full concurrency
     srv.post("/start_profile", {"output_dir": out_dir, "num_steps": steps, "activities": ["CPU", "GPU"]})
@@ -291,8 +291,8 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
                       f"TPOT {1e3 * statistics.mean(r['tpot_mean_s'] for r in runs):.2f} ms, accepted drafts/step "
                       f"{runs[-1]['accepted_drafts_per_step']}", flush=True)
                 if c == profile_at:
-                    row["profile"] = profile_level(srv, srv.url, prompts(4 * c, input_len, seed=c + 1), c, output_len,
-                                                   10, f"{WORK}/profiles/{arm}")
+                    row["profile"] = profile_level(srv, prompts(4 * c, input_len, seed=c + 1), c, output_len, 10,
+                                                   f"{WORK}/profiles/{arm}")
                     print(f"[bench] {arm} c={c} profile: {json.dumps(row['profile'])}", flush=True)
         except Exception as e:  # noqa: BLE001 -- the server died mid-run (e.g. out of memory): keep the others
             row["error"] = f"{e!r} at concurrency {c}\n" + srv.log()[-3000:]

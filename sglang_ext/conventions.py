@@ -188,6 +188,23 @@ def parse_override(text: str, field: str = OVERRIDE_ENV) -> list[int]:
     return ids
 
 
+def env_option_set(name: str, off_values: Sequence[str]) -> bool:
+    """Whether an opt-in environment option is set to anything but an off value (case-insensitive).
+    Never raises: the plugin registers an option's hooks by this, and SGLang's plugin loader swallows an
+    exception from registration (the server would run without the plugin); `env_option_on` refuses."""
+    return os.environ.get(name, "").strip().lower() not in off_values
+
+
+def env_option_on(name: str, on_value: str, off_values: Sequence[str], what: str, fix: str) -> bool:
+    """True for `on_value`, False for an off value; anything else is refused with field, value and fix."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in off_values:
+        return False
+    if value != on_value:
+        raise ConfigError(name, value, what, fix)
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # Draft and target configs
 # ---------------------------------------------------------------------------------------------

@@ -279,9 +279,9 @@ def distill(student, teacher, data: torch.Tensor, steps: int, batch: int, lr: fl
 def gsm8k_answers(model, tokenizer, questions: list[str], device, max_new_tokens: int = 96) -> list[str]:
     """Greedy chat answers, all questions in one left-padded batch (one generate call per model: the
     build's time budget is 8 minutes)."""
-    rows = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-            for q in questions]
-    rows = [list(r["input_ids"] if hasattr(r, "keys") else r) for r in rows]
+    from training.chat import prompt_ids
+
+    rows = [prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(r) for r in rows)
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)

@@ -192,23 +192,23 @@ def ttt_loss(head: Eagle3Head, f: Features | list[Features], lm_rows: torch.Tens
     total, hits, cnt = 0.0, [], []
     causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
     eye = torch.eye(L, dtype=torch.bool, device=device)
-    for k, (b_sel, t_sel, target_pos) in enumerate(selected):
-        tok = ids[rows, (pos + k + 1).clamp(max=T - 1)]  # the token fed at lane t: x_{t+k+1}
-        attn_mask = torch.cat([causal] + [eye] * k, dim=1)
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast), \
-                attention_kernels(device):
-            out = head(tok, hidden, pos + k, cache, attn_mask)
-        cnt.append(len(b_sel))
-        if len(b_sel):
-            b_sel, t_sel, target_pos = dev(b_sel), dev(t_sel), dev(target_pos)
-            target_p = tgt[b_sel, target_pos]  # gather only the selected lanes' [Vd] rows
-            chosen = out.logits[b_sel, t_sel].float()
-            loss_k = -(target_p * F.log_softmax(chosen, dim=-1)).sum(-1).mean()
-            total = total + (decay ** k) * loss_k
-            hits.append((chosen.argmax(-1) == target_p.argmax(-1)).sum())
-        else:
-            hits.append(torch.zeros((), device=device))
-        hidden = out.hidden
+    with attention_kernels(device):
+        for k, (b_sel, t_sel, target_pos) in enumerate(selected):
+            tok = ids[rows, (pos + k + 1).clamp(max=T - 1)]  # the token fed at lane t: x_{t+k+1}
+            attn_mask = torch.cat([causal] + [eye] * k, dim=1)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+                out = head(tok, hidden, pos + k, cache, attn_mask)
+            cnt.append(len(b_sel))
+            if len(b_sel):
+                b_sel, t_sel, target_pos = dev(b_sel), dev(t_sel), dev(target_pos)
+                target_p = tgt[b_sel, target_pos]  # gather only the selected lanes' [Vd] rows
+                chosen = out.logits[b_sel, t_sel].float()
+                loss_k = -(target_p * F.log_softmax(chosen, dim=-1)).sum(-1).mean()
+                total = total + (decay ** k) * loss_k
+                hits.append((chosen.argmax(-1) == target_p.argmax(-1)).sum())
+            else:
+                hits.append(torch.zeros((), device=device))
+            hidden = out.hidden
     if not torch.is_tensor(total):
         total = torch.zeros((), device=device, requires_grad=True)
     acc = torch.stack(hits).tolist() if hits else []  # the one synchronisation of the call
@@ -333,13 +333,14 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
             tokens_trained += sum(len(x.input_ids) for x in fs)
             loss, acc, cnt = ttt_loss(head, fs, lm_rows,
                                       cfg.ttt_steps, cfg.decay, device, cfg.bf16 and device.type == "cuda")
-            if not torch.isfinite(loss):  # stop before a NaN reaches the weights, the checkpoint or the export
-                raise FloatingPointError(f"non-finite TTT loss ({float(loss)}) at optimizer step {step}, records "
+            value = float(loss.detach())  # one read of the loss per forward
+            if not math.isfinite(value):  # stop before a NaN reaches the weights, the checkpoint or the export
+                raise FloatingPointError(f"non-finite TTT loss ({value}) at optimizer step {step}, records "
                                          f"{units[u]}; "
                                          f"nothing was saved for this step. Lower --lr (now {cfg.lr}) or train "
                                          "without bf16 autocast")
             (loss / len(full)).backward()  # the mean over the step's units, whichever rank holds them
-            loss_sum += float(loss.detach())
+            loss_sum += value
             for k in range(len(acc)):
                 acc_sum[k] += acc[k]
                 cnt_sum[k] += cnt[k]

@@ -27,6 +27,7 @@ import logging
 import os
 import time
 
+from sglang_ext.conventions import env_option_on, env_option_set
 from sglang_ext.core.adaptive import CostModelPolicy
 
 logger = logging.getLogger(__name__)
@@ -41,20 +42,14 @@ OFF_VALUES = ("", "off", "sglang", "upstream")
 def requested() -> bool:
     """Whether the operator asked for a policy at all (the plugin registers these hooks only then,
     so servers without it pay nothing per decode step)."""
-    return os.environ.get(POLICY_ENV, "").strip().lower() not in OFF_VALUES
+    return env_option_set(POLICY_ENV, OFF_VALUES)
 
 
 @functools.lru_cache(maxsize=1)
 def enabled() -> bool:
     """The cost policy is on; an unknown value is refused (at startup: warn_if_inert calls this)."""
-    value = os.environ.get(POLICY_ENV, "").strip().lower()
-    if value in OFF_VALUES:
-        return False
-    if value != "cost":
-        from sglang_ext.conventions import ConfigError
-
-        raise ConfigError(POLICY_ENV, value, "unknown adaptive policy", "use 'cost' or leave it unset (upstream)")
-    return True
+    return env_option_on(POLICY_ENV, "cost", OFF_VALUES, "unknown adaptive policy",
+                         "use 'cost' or leave it unset (upstream)")
 
 
 class StepClock:

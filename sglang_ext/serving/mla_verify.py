@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import torch
+
+from sglang_ext.conventions import env_option_on, env_option_set
 
 logger = logging.getLogger(__name__)
 
@@ -46,22 +47,15 @@ OFF_VALUES = ("", "off", "extend", "upstream")
 
 
 def requested() -> bool:
-    """Whether the operator set the variable at all (then the hooks are registered). Never raises: SGLang's
-    plugin loader logs and swallows an exception from ``register()``, which would silently turn the whole
-    plugin off; an unknown value is refused by ``validate()`` at server start instead."""
-    return os.environ.get(ENV, "").strip().lower() not in OFF_VALUES
+    """Whether the operator set the variable at all (then the hooks are registered); never raises, an
+    unknown value is refused by ``validate()`` at server start."""
+    return env_option_set(ENV, OFF_VALUES)
 
 
 def validate() -> bool:
     """True for 'decode', False when unset; an unknown value stops the server with field, value and fix."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in OFF_VALUES:
-        return False
-    if value != "decode":
-        from sglang_ext.conventions import ConfigError
-
-        raise ConfigError(ENV, value, "unknown verify mode", "use 'decode' or leave it unset (upstream's kernel)")
-    return True
+    return env_option_on(ENV, "decode", OFF_VALUES, "unknown verify mode",
+                         "use 'decode' or leave it unset (upstream's kernel)")
 
 
 def applies(backend) -> bool:

@@ -237,16 +237,22 @@ def step_wait_trainers(trainers: dict) -> None:
             shutil.copy(rep, f"{RESULTS}/training_report_{fmt}.json")
 
 
-def step_arms(arms: list[str]) -> None:
-    def head(arm: str) -> str | None:
-        return None if arm.startswith("target") else "mha" if arm.startswith("upstream-") else arm.split("-")[0]
+def arm_head(arm: str) -> str | None:
+    """The head an arm serves (None: the target alone), from check_serving's table of arms."""
+    import check_serving as CS
 
-    arms = [a for a in arms if head(a) is None or os.path.exists(f"{CHECK_WORK}/head-{head(a)}/model.safetensors")]
+    head = CS.ARMS[arm][0]
+    return None if head is None else head.replace("-upstream", "")  # upstream serves the MHA head's copy
+
+
+def step_arms(arms: list[str]) -> None:
+    arms = [a for a in arms
+            if arm_head(a) is None or os.path.exists(f"{CHECK_WORK}/head-{arm_head(a)}/model.safetensors")]
     if not arms or left() < 200:
         say(f"arms: {arms} skipped ({'no head' if not arms else 'no time'})")
         return
     global REF_EVAL
-    if REF_EVAL is None and "mha" in {head(a) for a in arms} and not os.path.exists(
+    if REF_EVAL is None and "mha" in {arm_head(a) for a in arms} and not os.path.exists(
             f"{RESULTS}/gsm8k-reference/report.json"):
         REF_EVAL = subprocess.Popen(
             [PY, "-m", "eval.gsm8k", "--target", TARGET, "--draft", f"{CHECK_WORK}/head-mha", "--device", "cuda",
@@ -321,12 +327,11 @@ def run() -> int:
     try:
         step_build()
         trainers = step_target_and_regen()
-        # the MHA head's arms run while the MLA head still trains (it started later, on the MHA run's features)
         wanted = os.environ.get("PIPE_ARMS", "mha-chain mha-chain-verify-decode target-deterministic "
                                 "mha-chain-deterministic mla-chain-verify-decode mla-tree-verify-decode upstream-mha-chain mla-tree mla-chain "
                                 "mha-tree mha-chain-fp8 mha-chain-no-overlap mha-chain-sampled mla-tree-sampled").split()
         # the arms before the first one that needs the MLA head run while that head may still train
-        cut = next((i for i, a in enumerate(wanted) if a.startswith("mla-")), len(wanted))
+        cut = next((i for i, a in enumerate(wanted) if arm_head(a) == "mla"), len(wanted))
         first = wanted[:cut]
         step_wait_trainers({k: v for k, v in trainers.items() if k == "mha"})
         step_arms(first)
