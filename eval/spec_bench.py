@@ -44,32 +44,37 @@ CHAIN = ["--speculative-num-steps", str(STEPS), "--speculative-eagle-topk", "1",
          "--speculative-num-draft-tokens", str(STEPS + 1)]
 TREE = ["--speculative-num-steps", str(STEPS), "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"]
 SIM = "SGLANG_SIMULATE_ACC_LEN"
+# upstream's verify kernel inside the plugin (the plugin's default verifies MLA chains as decode attention):
+# the arms named without "verify-decode" keep the meaning they had in earlier runs' state files
+EXTEND = {"SGLANG_EXT_MLA_VERIFY": "extend"}
+DECODE = {"SGLANG_EXT_MLA_VERIFY": "decode"}
 # name: (head or None, drafting args, env, simulated)
 ARMS = {
     "nospec": (None, [], {}, False),
     "upstream-chain": ("mha-upstream", CHAIN, {"SGLANG_PLUGINS": "none"}, True),
-    "plugin-chain": ("mha", CHAIN, {}, True),
-    # chain verify of the MLA target as grouped decode attention (sglang_ext.serving.mla_verify, opt-in)
-    "plugin-chain-verify-decode": ("mha", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "decode"}, True),
-    "zero-accept-verify-decode": ("mha", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "decode"}, False),
-    "plugin-tree-verify-decode": ("mha", TREE, {"SGLANG_EXT_MLA_VERIFY": "decode"}, True),
+    "plugin-chain": ("mha", CHAIN, EXTEND, True),
+    # verify of the MLA target as grouped decode attention (sglang_ext.serving.mla_verify; chains: the default)
+    "plugin-chain-verify-decode": ("mha", CHAIN, DECODE, True),
+    "zero-accept-verify-decode": ("mha", CHAIN, DECODE, False),
+    "plugin-tree-verify-decode": ("mha", TREE, DECODE, True),
     # the protection with a depth-0 step as cheap as it can be made: verify as decode, no draft extend
     "zero-accept-protected-verify-decode": ("mha", CHAIN + ["--speculative-adaptive"],
-                                            {"SGLANG_EXT_ADAPTIVE_POLICY": "cost", "SGLANG_EXT_MLA_VERIFY": "decode",
+                                            {"SGLANG_EXT_ADAPTIVE_POLICY": "cost", **DECODE,
                                              "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND": "1"}, False),
+    # the draft's format and KV dtype, at the plugin's defaults (chains verified as decode attention)
     "plugin-mla-chain": ("mla", CHAIN, {}, True),
-    "plugin-tree": ("mha", TREE, {}, True),
     "plugin-fp8": ("mha", CHAIN, {"SGLANG_EXT_DRAFT_KV_CACHE_DTYPE": "fp8_e4m3"}, True),
-    "zero-accept": ("mha", CHAIN, {}, False),
-    "zero-accept-protected": ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"},
-                              False),
+    "plugin-tree": ("mha", TREE, EXTEND, True),
+    "zero-accept": ("mha", CHAIN, EXTEND, False),
+    "zero-accept-protected": ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost",
+                                                                          **EXTEND}, False),
 }
 
 
 # the order `all` runs them in: what the ratios need first (c comes from zero-accept at batch 1)
 PRIORITY = ["nospec", "plugin-chain", "upstream-chain", "plugin-chain-verify-decode", "zero-accept",
             "zero-accept-verify-decode", "zero-accept-protected-verify-decode", "plugin-tree-verify-decode",
-            "zero-accept-protected", "plugin-tree", "plugin-mla-chain", "plugin-fp8"]
+            "plugin-fp8", "plugin-mla-chain", "zero-accept-protected", "plugin-tree"]
 
 
 # ------------------------------------------------------------------------------------ build
@@ -296,8 +301,23 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
                     print(f"[bench] {arm} c={c} profile: {json.dumps(row['profile'])}", flush=True)
         except Exception as e:  # noqa: BLE001 -- the server died mid-run (e.g. out of memory): keep the others
             row["error"] = f"{e!r} at concurrency {c}\n" + srv.log()[-3000:]
-        row["pool"] = pool_facts(srv.log())
+        log = srv.log()
+        row["pool"] = pool_facts(log)
+        adaptive = adaptive_facts(log)
+        if adaptive:
+            row["adaptive"] = adaptive
     return row
+
+
+def adaptive_facts(log: str) -> dict | None:
+    """The cost policy's decisions and periodic summaries (steps per depth, measured step time per depth) from a
+    server log, and how often SGLang switched its runtime state: what a protected arm's speed is made of."""
+    decisions = re.findall(r"\[sglang_ext\] adaptive speculation: (.*)", log)
+    summaries = re.findall(r"\[sglang_ext\] adaptive speculation summary: (.*)", log)
+    if not decisions and not summaries:
+        return None
+    return {"decisions": len(decisions), "last_decisions": decisions[-10:], "summaries": summaries[-40:],
+            "runtime_state_switches": len(re.findall(r"Switch adaptive runtime state", log))}
 
 
 # ---------------------------------------------------------------------------------- report

@@ -26,7 +26,7 @@ def register() -> None:
     if adaptive.requested():  # opt-in: no per-step cost for servers that do not ask for it
         groups += [(adaptive.AROUND_HOOKS, HookType.AROUND), (adaptive.BEFORE_HOOKS, HookType.BEFORE),
                    (adaptive.AFTER_HOOKS, HookType.AFTER)]
-    if mla_verify.requested():  # opt-in until measured on a GPU: chain verify of MLA targets as decode attention
+    if mla_verify.requested():  # MLA chain verify as decode attention, unless SGLANG_EXT_MLA_VERIFY=extend
         groups += [(mla_verify.AFTER_HOOKS, HookType.AFTER), (mla_verify.AROUND_HOOKS, HookType.AROUND)]
     for hooks, kind in groups:
         for target, fn in hooks.items():
@@ -34,4 +34,4 @@ def register() -> None:
     acceptance.install_log_filter()
     logger.info("[sglang_ext] plugin registered: Eagle3 aux-layer capture, MLA head architectures, draft KV "
                 "pool sizing and dtype, acceptance reporting without the bonus token, cost-model adaptive speculation "
-                "(opt-in), MLA chain verify as decode attention (opt-in)")
+                "(opt-in), MLA verify as decode attention (chains by default; SGLANG_EXT_MLA_VERIFY)")

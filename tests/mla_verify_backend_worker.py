@@ -1,5 +1,5 @@
 """Run under TRITON_INTERPRET=1 by tests/test_mla_verify.py (argument `tree` for a draft tree, else a
-chain): SGLang 0.5.17's own TritonAttnBackend methods on a target-verify batch of an MLA layer, on the CPU -- upstream's path
+chain; `deterministic`: SGLang's deterministic mode, verify rows against plain decode rows bit for bit): SGLang 0.5.17's own TritonAttnBackend methods on a target-verify batch of an MLA layer, on the CPU -- upstream's path
 (`init_forward_metadata` + `forward_extend`: the extend kernel) against the plugin's hooks
 (sglang_ext.serving.mla_verify: the same methods, then `forward_decode`: the grouped decode kernel),
 both eager and through the CUDA-graph metadata path (`init_cuda_graph_state`,
@@ -7,6 +7,7 @@ both eager and through the CUDA-graph metadata path (`init_cuda_graph_state`,
 a real RadixAttention layer and real kernels; the backend object is built without its __init__
 (which needs a model runner and a GPU) and given the attributes that __init__ would set. Prints JSON."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -19,13 +20,16 @@ import torch  # noqa: E402
 from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd  # noqa: E402
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd  # noqa: E402
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from sglang.srt.layers.attention.verify_mask import VerifyMask, tree_mask_numel  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.srt.speculative.eagle_utils import TreeMaskMode  # noqa: E402
 
 from sglang_ext.serving import mla_verify  # noqa: E402
 
-TREE = sys.argv[1:] == ["tree"]  # else a chain
+TREE = "tree" in sys.argv[1:]  # else a chain
+DETERMINISTIC = "deterministic" in sys.argv[1:]  # --enable-deterministic-inference: KV splits by a fixed tile
 torch.manual_seed(0)
 H, RANK, ROPE = 4, 512, 64
 LK, LV = RANK + ROPE, RANK
@@ -63,7 +67,8 @@ def backend() -> TritonAttnBackend:
         use_verify_splitkv=False, use_mla=True, dcp_size=1, dcp_rank=0, num_head=H, num_kv_head=1, v_head_dim=LV,
         swa_v_head_dim=None, max_context_len=max_ctx, device=torch.device("cpu"), device_core_count=4,
         static_kv_splits=False, max_kv_splits=4, use_pdl=False, allow_bidirectional_attention_in_extend=False,
-        enable_deterministic=False, split_tile_size=None, kv_indptr=torch.zeros(max_bs * n + 1, dtype=torch.int32),
+        enable_deterministic=DETERMINISTIC, split_tile_size=4 if DETERMINISTIC else None,
+        kv_indptr=torch.zeros(max_bs * n + 1, dtype=torch.int32),
         window_kv_indptr=None, qo_indptr=torch.zeros(max_bs + 1, dtype=torch.int64),
         mask_indptr=torch.zeros(max_bs + 1, dtype=torch.int64), forward_metadata=None, _verify_mask=None,
         is_draft_runner=False)
@@ -96,6 +101,28 @@ def run(be, fb, use_graph_path: bool):
 
 
 result = {}
+if DETERMINISTIC:
+    # SGLang's deterministic mode: every decode query splits its KV by a fixed tile, so a verify query run as a
+    # decode query must equal, bit for bit, the plain decode of that token -- the property that makes greedy
+    # speculation reproduce the target alone exactly
+    be = backend()
+    ours = run(be, batch(), use_graph_path=False)  # also stores the draft tokens' latent KV
+    worst = 0.0
+    for i in range(n):
+        rows = torch.arange(bs) * n + i
+        fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, spec_info=None, batch_size=bs,
+                                   req_pool_indices=req_pool_indices, seq_lens=prefix + i + 1,
+                                   seq_lens_sum=int((prefix + i + 1).sum()), seq_lens_cpu=prefix + i + 1,
+                                   out_cache_loc=out_cache_loc[rows], encoder_lens=None)
+        dec = backend()
+        dec.init_forward_metadata(fb)
+        plain = dec.forward_decode(q[rows].clone(), k_new[rows].clone(), v_new[rows].clone(), layer, fb, True)
+        worst = max(worst, float((plain.view(bs, H, LV) - ours[rows]).abs().max()))
+    result["verify_vs_plain_decode_max_diff"] = worst
+    result["kv_splits"] = be.forward_metadata.num_kv_splits.tolist()
+    result["upstream_norm"] = float(ours.abs().mean())
+    print(json.dumps(result))
+    sys.exit(0)
 up = backend()
 fb = batch()
 up.init_forward_metadata(fb)
@@ -105,14 +132,24 @@ result["eager_max_diff"] = float((ours - upstream).abs().max())
 be = backend()
 be.init_cuda_graph_state(max_bs, max_bs * n)
 mla_verify.init_cuda_graph_state_after(None, be, max_bs, max_bs * n)
+# the GPU's layout (TreeMaskMode.FULL_MASK; on a CPU upstream would allocate the other one)
+be._verify_mask = VerifyMask(buffer=torch.zeros(tree_mask_numel(TreeMaskMode.FULL_MASK, max_bs, n, max_ctx),
+                                                dtype=torch.bool), mode=TreeMaskMode.FULL_MASK, max_bs=max_bs)
 graph = run(be, batch(), use_graph_path=True)
 result["graph_max_diff"] = float((graph - upstream).abs().max())
-# replay preparation refills the same buffers the captured metadata points at
+# replay preparation refills the buffers the captured metadata points at -- also when an eager batch ran in
+# between and left its own metadata (no verify mask) on the backend, as the server's prefills do
 captured = be.forward_metadata
+be.forward_metadata = dataclasses.replace(captured, custom_mask=None, mask_indptr=None)
+for buf in (getattr(be, mla_verify.INDPTR), be.cuda_graph_kv_indices, be.cuda_graph_num_kv_splits):
+    buf.zero_()
 be.init_forward_metadata_out_graph(batch(), in_capture=False)
 mla_verify.init_forward_metadata_out_graph_after(None, be, batch(), in_capture=False)
-result["replay_same_buffers"] = be.forward_metadata is captured and captured.kv_indptr.data_ptr() == \
-    getattr(be, mla_verify.INDPTR).data_ptr()
+result["replay_same_buffers"] = captured.kv_indptr.data_ptr() == getattr(be, mla_verify.INDPTR).data_ptr()
+be.forward_metadata = captured  # what the replayed graph reads: the captured buffers, refilled
+replayed = mla_verify.forward_extend(TritonAttnBackend.forward_extend, be, q.clone(), k_new.clone(), v_new.clone(),
+                                     layer, batch(), True).view(bs * n, H, LV)
+result["replay_max_diff"] = float((replayed - upstream).abs().max())
 # a prefill (not verify) batch after it goes to upstream's extend path untouched
 result["flag_after_verify"] = getattr(be, mla_verify.FLAG)
 prefill = batch()

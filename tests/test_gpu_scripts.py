@@ -40,9 +40,11 @@ def test_gpu_script_command_lines_parse():
     assert arms["target"][0] is None and arms["mha-chain"][:2] == ["EAGLE3", 1] and arms["mla-tree"][1] == 4
     assert arms["mha-chain-no-overlap"][2] is True and arms["mha-chain"][2] is False
     assert all(a[3] is True and a[4] == 64 for a in arms.values())
-    # the batch-invariant pair: the target alone and a chain arm, both with SGLang's deterministic mode
+    # the batch-invariant set: the target alone and chain arms (upstream's verify kernel, and verify as decode
+    # attention), all with SGLang's deterministic mode
     assert {n for n, a in arms.items() if a[5]} == {"target-deterministic", "mha-chain-deterministic",
-                                                   "mla-chain-deterministic"}
+                                                   "mla-chain-deterministic", "mha-chain-verify-decode-deterministic",
+                                                   "mla-chain-verify-decode-deterministic"}
     assert arms["mha-chain-deterministic"][:2] == ["EAGLE3", 1] and arms["target-deterministic"][0] is None
 
 

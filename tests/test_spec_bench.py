@@ -130,3 +130,22 @@ def test_all_retries_failed_arms_and_redoes_on_request():
     assert sb.arms_to_run(state, sb.PRIORITY[:4], ["nospec"]) == ["nospec", "upstream-chain",
                                                                   "plugin-chain-verify-decode"]
     assert set(sb.PRIORITY) <= set(sb.ARMS)
+
+
+def test_adaptive_facts_from_a_server_log():
+    """A protected arm's row keeps what its speed is made of: the cost policy's decisions, its periodic
+    summaries (steps and measured step time per depth) and SGLang's runtime-state switches."""
+    from eval.spec_bench import adaptive_facts
+
+    log = "\n".join([
+        "[2026-11-30 11:30:01] [sglang_ext] adaptive speculation: depth 3 -> 0: predicted tokens/s per request 99.0 "
+        "vs 70.1 (+41%)",
+        "[2026-11-30 11:30:01] Switch adaptive runtime state: steps 3 -> 0, draft_tokens 4 -> 1",
+        "[2026-11-30 11:30:31] [sglang_ext] adaptive speculation summary: last 30s, batch 1-1: steps [depth 0: 3900, "
+        "depth 1: 16]; measured step time [depth 0: 5.90 ms, depth 1: 7.10 ms, depth 3: 8.50 ms]; now depth 0",
+        "[2026-11-30 11:30:32] Decode batch, #running-req: 1"])
+    facts = adaptive_facts(log)
+    assert facts["decisions"] == 1 and facts["runtime_state_switches"] == 1
+    assert facts["last_decisions"][0].startswith("depth 3 -> 0")
+    assert facts["summaries"] == [log.splitlines()[2].split("summary: ")[1]]
+    assert adaptive_facts("[2026-11-30] Decode batch, #running-req: 1") is None  # no policy: nothing to keep

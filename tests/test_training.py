@@ -425,3 +425,32 @@ def test_train_draft_under_torchrun_rank0_prepares_and_exports(tmp_path):
     report = json.load(open(tmp_path / "head" / "training_report.json"))
     assert report["world_size"] == 2 and report["train_conversations"] > 0
     assert report["final_metrics"]["step"] == 1 and report["final_metrics"]["stopped_early"]
+
+
+def test_fit_total_lays_the_schedule_over_the_time_left():
+    from training.trainer import fit_total
+
+    assert fit_total(step=100, planned=500, seconds_left=100.0, seconds_per_step=1.0) == 200  # time binds
+    assert fit_total(step=100, planned=150, seconds_left=100.0, seconds_per_step=1.0) == 150  # the plan binds
+    assert fit_total(step=100, planned=500, seconds_left=-5.0, seconds_per_step=1.0) == 101  # at least one more
+    assert fit_total(step=100, planned=500, seconds_left=10.0, seconds_per_step=0.0) == 500  # no pace yet
+
+
+def test_time_limited_training_finishes_its_fitted_schedule(tiny_pair, monkeypatch):
+    """With a time limit the run measures its pace, shortens the cosine schedule to what fits, and ends
+    with the learning rate decayed -- not stopped half-way at a high rate. A fake clock (0.01 s per
+    reading, deterministic) stands in for the wall clock."""
+    import itertools
+
+    from training import trainer as T
+
+    ticks = itertools.count()
+    monkeypatch.setattr(T, "clock", lambda: next(ticks) * 0.01)
+    recs, lm = _features_and_lm(tiny_pair)
+    cfg = TrainConfig(ttt_steps=2, lr=5e-3, max_steps=400, max_seconds=2.0)
+    logged = []
+    m = train(_head(tiny_pair, recs), recs, lm, cfg, log=logged.append)
+    assert m["planned_steps"] == 400 and m["step"] == m["total_steps"] < 400  # fitted, and finished
+    assert not m.get("stopped_early")
+    assert m["lr"] < 0.05 * cfg.lr  # the cosine ran to its end
+    assert any("schedule fitted to the time limit" in x for x in logged)

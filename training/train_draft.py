@@ -90,7 +90,8 @@ def parse_args(argv=None):
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile this many optimizer steps after 2 warm-up steps and print the top operators")
     ap.add_argument("--max-train-minutes", type=float, default=None,
-                    help="stop training after this long (a checkpoint is written; the export says so)")
+                    help="train for at most this long: the cosine schedule is shortened to the steps the measured "
+                         "pace fits in it (logged), and a run that still reaches the limit stops with a checkpoint")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
@@ -295,7 +296,9 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tokens_per_s = metrics.get("tokens_trained", 0) * world / max(train_s, 1e-9)  # all ranks: equal shares
     print(f"[train-draft] trained {metrics.get('step')} steps in {train_s:.0f}s "
-          f"({tokens_per_s:.0f} tokens/s); last loss {metrics.get('loss', 0):.3f}"
+          f"({tokens_per_s:.0f} tokens/s, {metrics.get('epochs', 0):.2f} epochs); last loss {metrics.get('loss', 0):.3f}"
+          + (f"; schedule fitted to --max-train-minutes ({metrics['total_steps']} of {metrics['planned_steps']} "
+             "planned steps)" if metrics.get("planned_steps", 0) > metrics.get("total_steps", 0) else "")
           + (" -- stopped early by --max-train-minutes" if metrics.get("stopped_early") else ""))
 
     if rank != 0:  # every rank holds the same weights; rank 0 exports and measures

@@ -160,8 +160,9 @@ def ttt_loss(head: Eagle3Head, f: Features | list[Features], lm_rows: torch.Tens
     L = T - 1  # lanes t = 0..T-2
     ids = torch.zeros(B, T, dtype=torch.long)
     mask = torch.zeros(B, T, dtype=torch.bool)
-    aux = torch.zeros(B, L, recs[0].aux.shape[-1], dtype=recs[0].aux.dtype)
-    final = torch.zeros(B, T, recs[0].last_hidden.shape[-1], dtype=recs[0].last_hidden.dtype)
+    where = recs[0].aux.device  # the host, or the GPU when the records are resident there
+    aux = torch.zeros(B, L, recs[0].aux.shape[-1], dtype=recs[0].aux.dtype, device=where)
+    final = torch.zeros(B, T, recs[0].last_hidden.shape[-1], dtype=recs[0].last_hidden.dtype, device=where)
     for b, (r, n) in enumerate(zip(recs, lens)):
         ids[b, :n], mask[b, :n], aux[b, : n - 1], final[b, :n] = r.input_ids, r.loss_mask.bool(), r.aux[: n - 1], \
             r.last_hidden
@@ -181,6 +182,8 @@ def ttt_loss(head: Eagle3Head, f: Features | list[Features], lm_rows: torch.Tens
     pin = device.type == "cuda"
 
     def dev(x):
+        if x.is_cuda:  # resident records: already there (a no-op move)
+            return x.to(device, non_blocking=True)
         return (x.pin_memory() if pin else x).to(device, non_blocking=pin)
 
     ids, hidden = dev(ids), dev(aux).float()
@@ -213,6 +216,19 @@ def ttt_loss(head: Eagle3Head, f: Features | list[Features], lm_rows: torch.Tens
         total = torch.zeros((), device=device, requires_grad=True)
     acc = torch.stack(hits).tolist() if hits else []  # the one synchronisation of the call
     return total, [float(a) for a in acc], cnt
+
+
+clock = time.monotonic  # the training time limit's clock (a test replaces it)
+
+
+def fit_total(step: int, planned: int, seconds_left: float, seconds_per_step: float) -> int:
+    """The optimizer steps a time-limited run can still finish: the planned schedule, or fewer when the
+    measured pace says the time limit comes first (at least one more step). The cosine schedule is then
+    laid over what will really run, so the learning rate has decayed when time is up instead of being
+    cut off half-way (session 5: both heads stopped at 42-45% of their schedules, lr 1.2e-3 of 2e-3)."""
+    if seconds_per_step <= 0:
+        return planned
+    return max(step + 1, min(planned, step + int(seconds_left / seconds_per_step)))
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -261,6 +277,29 @@ def load_checkpoint(path: str, head: Eagle3Head, opt: torch.optim.Optimizer) -> 
 # ---------------------------------------------------------------------------------- training
 
 
+def resident_on_device(records: list[Features], device: torch.device, max_fraction: float = 0.3) -> list[Features]:
+    """The records' hidden states moved to the GPU once, when they fit in `max_fraction` of its free memory
+    (1.2 M tokens of a 576-wide target: 5.4 GB). Each forward then pads its batch with device copies instead
+    of assembling and pinning ~100 MB on the host per step, which on a shared host (servers and another
+    trainer beside it) was most of the step time. Token ids and loss masks stay on the host: lane
+    selection reads them there."""
+    if device.type != "cuda" or not records or records[0].aux.device.type == "cuda":
+        return records
+    need = sum(r.aux.numel() * r.aux.element_size() + r.last_hidden.numel() * r.last_hidden.element_size()
+               for r in records)
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > max_fraction * free:
+        return records
+    aux = torch.cat([r.aux for r in records]).to(device)  # one transfer per field; records become views
+    last = torch.cat([r.last_hidden for r in records]).to(device)
+    out, start = [], 0
+    for r in records:
+        n = len(r.input_ids)
+        out.append(Features(r.input_ids, r.loss_mask, aux[start: start + n], last[start: start + n]))
+        start += n
+    return out
+
+
 @torch.enable_grad()  # whatever grad mode the caller is in
 def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tensor, cfg: TrainConfig,
           checkpoint_dir: str | None = None, resume: bool = True, stop_after: int | None = None,
@@ -269,6 +308,9 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     would, after writing a checkpoint). Returns the final metrics."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     device = next(head.parameters()).device
+    records = resident_on_device(records, device)
+    if records and records[0].aux.is_cuda:
+        log(f"hidden states of {len(records)} conversations resident on {device}")
     dist = None
     if world > 1:
         # data parallel by hand: the TTT unroll calls the head several times per backward, which
@@ -305,11 +347,28 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
         for p in params:
             dist.broadcast(p.data, src=0)
     metrics = {}
-    t_start, tokens_trained = time.time(), 0
+    t_start, tokens_trained = clock(), 0
     bar = tqdm(total=total, initial=step, desc="train draft", unit="step", disable=rank != 0,
                mininterval=5)
     profiler, first_step, order_epoch = None, step, None
+    planned, pace_from = total, None  # pace: measured after the warm-up and profiled steps
+    pace_start = first_step + 2 + (cfg.profile_steps + 2 if cfg.profile_steps else 0)
     while step < total:
+        if cfg.max_seconds is not None and step == pace_start:
+            pace_from = (step, clock())
+        if pace_from is not None and step > pace_from[0] and (step - pace_from[0]) % 10 == 0:
+            per_step = (clock() - pace_from[1]) / (step - pace_from[0])
+            left = cfg.max_seconds - (clock() - t_start)
+            if dist is not None:  # one schedule on every rank: the slowest rank's pace
+                pace = torch.tensor([per_step, -left], device=device)
+                dist.all_reduce(pace, op=dist.ReduceOp.MAX)
+                per_step, left = float(pace[0]), -float(pace[1])
+            fitted = fit_total(step, planned, left, per_step)
+            if fitted != total:
+                if total == planned:
+                    log(f"schedule fitted to the time limit: {fitted} optimizer steps of the {planned} planned "
+                        f"({per_step:.2f}s per step, {left:.0f}s left)")
+                total = fitted
         if cfg.profile_steps and step == first_step + 2 and profiler is None:
             profiler = _start_profiler(device)
         if profiler is not None and step == first_step + 2 + cfg.profile_steps:
@@ -358,9 +417,10 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
         bar.update(1)
         metrics = {"step": step, "loss": loss_sum / max(1, len(batch)), "lr": opt.param_groups[0]["lr"],
                    "accuracy_per_step": [a / c if c else 0.0 for a, c in zip(acc_sum, cnt_sum)],
-                   "tokens_trained": tokens_trained, "total_steps": total}
+                   "tokens_trained": tokens_trained, "total_steps": total, "planned_steps": planned,
+                   "epochs": round(step / per_epoch, 3)}
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['accuracy_per_step'][0]:.2f}")
-        out_of_time = cfg.max_seconds is not None and time.time() - t_start > cfg.max_seconds
+        out_of_time = cfg.max_seconds is not None and clock() - t_start > cfg.max_seconds
         if dist is not None and cfg.max_seconds is not None:  # every rank stops at the same step, or one hangs
             flag = torch.tensor([float(out_of_time)], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -95,16 +95,46 @@ def slot_update(original_fn, self, num_correct_drafts_per_req):
         policy = self._sglang_ext_policy = CostModelPolicy(self.candidate_steps, self.current_steps)
     depth = CLOCK.depth if CLOCK.depth is not None else self.current_steps
     decision = policy.observe(depth, list(num_correct_drafts_per_req or []), CLOCK.seconds)
+    summary = _summary(self, policy, depth, len(num_correct_drafts_per_req or []))
+    if summary:
+        _log(f"[sglang_ext] adaptive speculation summary: {summary}")
     if decision.changed and decision.depth != self.current_steps:
         self.current_steps = decision.depth
-        try:
-            from sglang.srt.utils import log_info_on_rank0
-
-            log_info_on_rank0(logger, f"[sglang_ext] adaptive speculation: {decision.reason}")
-        except Exception:
-            logger.info("[sglang_ext] adaptive speculation: %s", decision.reason)
+        _log(f"[sglang_ext] adaptive speculation: {decision.reason}")
         return True
     return False
+
+
+SUMMARY_EVERY_S = 30.0
+
+
+def _summary(slot, policy: CostModelPolicy, depth: int, batch: int) -> str | None:
+    """Every SUMMARY_EVERY_S per batch-size slot: the steps run at each depth since the last summary, the
+    measured step time of each depth and the batch sizes seen -- where the time went, which decisions alone
+    do not show (a policy that decides well but whose cheap depth is not cheap)."""
+    now = time.monotonic()
+    acc = getattr(slot, "_sglang_ext_summary", None)
+    if acc is None:
+        acc = slot._sglang_ext_summary = {"since": now, "steps": {}, "bs": [batch, batch]}
+    acc["steps"][depth] = acc["steps"].get(depth, 0) + 1
+    acc["bs"] = [min(acc["bs"][0], batch), max(acc["bs"][1], batch)]
+    if now - acc["since"] < SUMMARY_EVERY_S:
+        return None
+    steps = ", ".join(f"depth {k}: {n}" for k, n in sorted(acc["steps"].items()))
+    times = ", ".join(f"depth {k}: {1e3 * t:.2f} ms" for k, t in sorted(policy.times.items()))
+    text = (f"last {now - acc['since']:.0f}s, batch {acc['bs'][0]}-{acc['bs'][1]}: steps [{steps}]; "
+            f"measured step time [{times}]; now depth {policy.depth}")
+    slot._sglang_ext_summary = {"since": now, "steps": {}, "bs": [batch, batch]}
+    return text
+
+
+def _log(text: str) -> None:
+    try:
+        from sglang.srt.utils import log_info_on_rank0
+
+        log_info_on_rank0(logger, text)
+    except Exception:
+        logger.info("%s", text)
 
 
 def load_adaptive_config(original_fn, cfg_path, *args, **kwargs):

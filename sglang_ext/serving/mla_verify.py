@@ -1,11 +1,12 @@
-"""Chain target-verify of an MLA target as grouped decode attention (opt-in, Triton backend).
+"""Target-verify of an MLA target as grouped decode attention (Triton backend; chains by default).
 
 Why: SGLang 0.5.17's Triton backend runs EAGLE target-verify through its prefill kernel
 (``extend_attention_fwd``), which walks each request's whole prefix once per query block and per
 head. With 4 verify tokens per request that block is mostly empty, so a verify step costs ~0.8 ms
 per running request on an H200 with Kimi-K2.5 shapes: at 128 requests speculation ran at 0.43x of
-plain decoding at 2 accepted drafts per step, and a draft that never accepts at 0.15x
-(docs/benchmarks.md). Upstream has a split-KV verify kernel, but only for AMD (gfx95).
+plain decoding at 2 accepted drafts per step, and a draft that never accepts at 0.15x. As decode
+attention the same chain ran at 0.87x at 128 and 1.1-2.4x below (2.0x upstream's speed at 64-128
+requests; docs/benchmarks.md, run 2). Upstream has a split-KV verify kernel, but only for AMD (gfx95).
 
 What: for a chain (topk 1) each verify token i of request b attends to exactly the request's prefix
 plus draft tokens 0..i -- a causal window; in a tree (topk > 1), the prefix plus its ancestors and
@@ -15,8 +16,11 @@ latent KV head, split-KV), with per-query KV index lists built on the GPU from `
 (EAGLE v2 has already written the draft tokens' slots there: ``eagle_prepare_for_verify`` reads
 ``out_cache_loc`` from it) and, for trees, the mask (``verify_kernels.py``).
 
-Opt-in with ``SGLANG_EXT_MLA_VERIFY=decode``. Extends (hooks registered by sglang_ext.plugin only
-when the variable is set), SGLang 0.5.17:
+``SGLANG_EXT_MLA_VERIFY``: unset or ``auto`` (default) -- chains (topk 1) as decode attention, draft trees
+on upstream's kernel; ``decode`` -- trees too (their CUDA-graph replay is CPU-checked, not yet run on a
+GPU); ``extend`` -- upstream's kernel only (the hooks are not registered). In SGLang's deterministic mode
+a verify row is then computed bit for bit as that token's decode row. Extends (hooks registered by
+sglang_ext.plugin unless ``extend``), SGLang 0.5.17:
   * ``TritonAttnBackend.init_forward_metadata`` (AFTER) -- eager verify metadata: expanded KV
     indices, decode split buffers;
   * ``TritonAttnBackend.init_cuda_graph_state`` (AFTER) -- one more address-stable buffer (the
@@ -31,10 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 
-from sglang_ext.conventions import env_option_on, env_option_set
+from sglang_ext.conventions import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -43,35 +48,50 @@ FLAG = "_sglang_ext_verify_as_decode"  # set on the backend while its metadata i
 INDPTR = "_sglang_ext_verify_indptr"  # [max_num_tokens + 1] int32, beside the backend's CUDA-graph buffers
 
 
-OFF_VALUES = ("", "off", "extend", "upstream")
+OFF_VALUES = ("off", "extend", "upstream")
+MODES = {"": "auto", "auto": "auto", "decode": "decode", **{v: "extend" for v in OFF_VALUES}}
+
+
+def mode() -> str:
+    """'auto' (unset; the default): chain verify as decode attention, draft trees on upstream's kernel;
+    'decode': chains and trees; 'extend' (also 'off', 'upstream'): upstream's kernel only. An unknown value is
+    refused with field, value and fix."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in MODES:
+        raise ConfigError(ENV, value, "unknown verify mode",
+                          "use 'auto' (the default: chains as decode attention), 'decode' (chains and trees) or "
+                          "'extend' (upstream's kernel)")
+    return MODES[value]
 
 
 def requested() -> bool:
-    """Whether the operator set the variable at all (then the hooks are registered); never raises, an
-    unknown value is refused by ``validate()`` at server start."""
-    return env_option_set(ENV, OFF_VALUES)
+    """Whether the hooks are registered: unless the operator chose upstream's kernel. Never raises (SGLang's
+    plugin loader swallows exceptions); an unknown value is refused by ``validate()`` at server start."""
+    return os.environ.get(ENV, "").strip().lower() not in OFF_VALUES
 
 
 def validate() -> bool:
-    """True for 'decode', False when unset; an unknown value stops the server with field, value and fix."""
-    return env_option_on(ENV, "decode", OFF_VALUES, "unknown verify mode",
-                         "use 'decode' or leave it unset (upstream's kernel)")
+    """Whether any verify may run as decode attention; raises on an unknown value."""
+    return mode() != "extend"
 
 
 def applies(backend) -> bool:
-    """Only where the decode kernel computes exactly what the extend kernel would."""
+    """Only where the decode kernel computes exactly what the extend kernel would, and for draft trees only when
+    asked for (their CUDA-graph path is checked on the CPU, not yet on a GPU)."""
     ok = getattr(backend, "_sglang_ext_verify_ok", None)
     if ok is None:
-        validate()  # raises on an unknown value (also for NEXTN/MTP servers, where no Eagle3 hook runs)
+        chosen = mode()  # raises on an unknown value (also for NEXTN/MTP servers, where no Eagle3 hook runs)
         reasons = []
+        if chosen == "extend":
+            reasons.append(f"{ENV}={os.environ.get(ENV)}")
         if not getattr(backend, "use_mla", False):
             reasons.append("the target is not MLA")
+        if (getattr(backend, "topk", 0) or 0) > 1 and chosen != "decode":
+            reasons.append(f"draft trees (topk {backend.topk}) use upstream's kernel unless {ENV}=decode")
         if getattr(backend, "dcp_size", 1) > 1:
             reasons.append("decode context parallelism")
         if getattr(backend, "sliding_window_size", None) not in (None, -1, 0):
             reasons.append("sliding-window attention")
-        if getattr(backend, "enable_deterministic", False):
-            reasons.append("deterministic inference")
         if getattr(backend, "_translate_kv_loc", None) is not None:
             reasons.append("a unified (translated) KV pool")
         if getattr(backend, "page_size", 1) != 1:
@@ -79,9 +99,9 @@ def applies(backend) -> bool:
         ok = not reasons
         backend._sglang_ext_verify_ok = ok
         if ok:
-            logger.info("[sglang_ext] MLA target verify runs as grouped decode attention (%s=decode)", ENV)
-        else:
-            logger.info("[sglang_ext] %s=decode not applied to this attention backend: %s", ENV, "; ".join(reasons))
+            logger.info("[sglang_ext] MLA target verify runs as grouped decode attention (%s=%s)", ENV, chosen)
+        elif getattr(backend, "use_mla", False):
+            logger.info("[sglang_ext] MLA target verify on upstream's extend kernel: %s", "; ".join(reasons))
     return ok
 
 
@@ -109,20 +129,31 @@ def expand_verify_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Te
     return lens
 
 
-def _fill(backend, forward_batch, bs: int, n: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> torch.Tensor:
+def _fill(backend, forward_batch, bs: int, n: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+          mask: torch.Tensor | None, mask_indptr: torch.Tensor | None) -> torch.Tensor:
     """Per-query KV index lists: a chain's causal windows, or for a tree (topk > 1) the rows of EAGLE's
-    verify mask, which upstream's metadata has just put in place (eager: the batch's; CUDA graph: the
-    backend's mask buffer, refilled before each replay)."""
+    verify mask (`mask`, packed per request from `mask_indptr`)."""
     pools, seq_lens = forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs]
     if (getattr(backend, "topk", 0) or 0) <= 1:
         return expand_verify_indices(backend.req_to_token, pools, seq_lens, n, kv_indptr, kv_indices)
-    meta = backend.forward_metadata
-    if meta is None or meta.custom_mask is None or meta.mask_indptr is None:
+    if mask is None or mask_indptr is None:
         raise RuntimeError(f"{ENV}=decode: a tree verify batch without its mask; unset {ENV} and report this")
     from sglang_ext.serving.verify_kernels import tree_verify_indices
 
-    return tree_verify_indices(backend.req_to_token, pools, seq_lens, n, meta.custom_mask, meta.mask_indptr,
-                               kv_indptr, kv_indices)
+    return tree_verify_indices(backend.req_to_token, pools, seq_lens, n, mask, mask_indptr, kv_indptr, kv_indices)
+
+
+def _graph_mask(backend, forward_batch, bs: int):
+    """The verify mask a CUDA-graph verify reads: upstream's address-stable mask buffer and mask indptr, both
+    refilled by upstream's replay preparation just before our hook (``_update_target_verify_buffers``).
+    Not ``backend.forward_metadata``: at replay that is whatever the last eager batch left there."""
+    spec = forward_batch.spec_info
+    vm = getattr(backend, "_verify_mask", None)
+    if vm is None or getattr(spec, "custom_mask", None) is None:
+        return None, None
+    if int(vm.mode) != 0:  # TreeMaskMode.FULL_MASK, the layout verify_kernels reads (the GPU default)
+        raise RuntimeError(f"{ENV}=decode: verify mask layout {vm.mode!r} is not supported; unset {ENV}")
+    return vm.buffer, backend.mask_indptr[: bs + 1]
 
 
 def _draft_tokens(backend, forward_batch) -> int:
@@ -146,7 +177,8 @@ def init_forward_metadata_after(result, self, forward_batch, *args, **kwargs):
              else bs * n * self.max_context_len)  # at most: every query sees its prefix and all n tokens
     kv_indptr = torch.empty(bs * n + 1, dtype=torch.int32, device=self.device)
     kv_indices = torch.empty(total, dtype=torch.int64, device=self.device)
-    lens = _fill(self, forward_batch, bs, n, kv_indptr, kv_indices)
+    meta = self.forward_metadata  # upstream's, just built for this batch
+    lens = _fill(self, forward_batch, bs, n, kv_indptr, kv_indices, meta.custom_mask, meta.mask_indptr)
     num_kv_splits = torch.empty(bs * n, dtype=torch.int32, device=self.device)
     self.get_num_kv_splits(num_kv_splits, lens)
     self.forward_metadata = dataclasses.replace(
@@ -172,7 +204,7 @@ def init_forward_metadata_out_graph_after(result, self, forward_batch, in_captur
     if buf is None or queries + 1 > buf.shape[0] or queries > self.cuda_graph_attn_logits.shape[0]:
         raise RuntimeError(f"{ENV}=decode: {queries} verify queries exceed the CUDA-graph buffers "
                            f"({None if buf is None else buf.shape[0] - 1}); unset {ENV} and report this")
-    lens = _fill(self, forward_batch, bs, n, buf, self.cuda_graph_kv_indices)
+    lens = _fill(self, forward_batch, bs, n, buf, self.cuda_graph_kv_indices, *_graph_mask(self, forward_batch, bs))
     self.get_num_kv_splits(self.cuda_graph_num_kv_splits[:queries], lens)
     if in_capture:
         self.forward_metadata = dataclasses.replace(

@@ -57,7 +57,8 @@ ARMS = {
     "mha-tree": ("mha", TREE, {}, False, None),
     "mla-tree": ("mla", TREE, {}, False, None),
     "mha-chain-fp8": ("mha", CHAIN, FP8, False, None),
-    # chain verify of the MLA target as grouped decode attention (sglang_ext.serving.mla_verify, opt-in)
+    # the arms above run the plugin's defaults: MLA chains verified as decode attention, trees on upstream's
+    # kernel; these name the verify mode (=decode: trees too)
     "mha-chain-verify-decode": ("mha", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "decode"}, False, None),
     "mla-chain-verify-decode": ("mla", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "decode"}, False, None),
     "mla-tree-verify-decode": ("mla", TREE, {"SGLANG_EXT_MLA_VERIFY": "decode"}, False, None),
@@ -69,15 +70,20 @@ ARMS = {
     "mha-chain-sampled": ("mha", CHAIN, {}, False, None),
     "mla-tree-sampled": ("mla", TREE, {}, False, None),
 }
-# SGLang's batch-invariant mode (--enable-deterministic-inference: batch-invariant GEMMs, fixed attention
-# split tiles), where a verify forward and a decode forward compute a token's row identically; these arms are
-# compared with "target-deterministic", not with the default target arm. Greedy speculation must then give
-# the target's output exactly -- a check that bf16 kernel differences cannot blur.
-DETERMINISTIC = {"target-deterministic", "mha-chain-deterministic", "mla-chain-deterministic"}
+# SGLang's batch-invariant mode (--enable-deterministic-inference: batch-invariant GEMMs, attention KV split by
+# a fixed tile), compared with "target-deterministic", not with the default target arm. With verify as decode
+# attention a verify row is computed exactly as that token's decode row (tests/test_mla_verify.py checks the
+# attention bit for bit), so greedy speculation must give the target's output exactly -- a check that bf16
+# kernel differences cannot blur; upstream's verify (its extend kernel) rounds differently, so the arms without
+# "verify-decode" (=extend) show what remains without it.
+DETERMINISTIC = {"target-deterministic", "mha-chain-deterministic", "mla-chain-deterministic",
+                 "mha-chain-verify-decode-deterministic", "mla-chain-verify-decode-deterministic"}
 ARMS.update({
     "target-deterministic": (None, [], {}, False, None),
-    "mha-chain-deterministic": ("mha", CHAIN, {}, False, None),
-    "mla-chain-deterministic": ("mla", CHAIN, {}, False, None),
+    "mha-chain-deterministic": ("mha", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "extend"}, False, None),
+    "mha-chain-verify-decode-deterministic": ("mha", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "decode"}, False, None),
+    "mla-chain-verify-decode-deterministic": ("mla", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "decode"}, False, None),
+    "mla-chain-deterministic": ("mla", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "extend"}, False, None),
 })
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 WORDS = ["the", "a", "of", "and", "to", "is", "in", "number", "answer", "apples", "cost", "dollars", "what",
@@ -204,7 +210,7 @@ def rename_mla_head():
 
 
 def run_prompts(srv: Server, prompts: list[list[int]], logprobs: bool, max_new: int | None,
-                sampling: dict | None = None) -> list[dict]:
+                sampling: dict | None = None, concurrency: int = CONCURRENCY) -> list[dict]:
     def one(i):
         sp = {"temperature": 0, "max_new_tokens": max_new or 24 + (i % 5) * 9, **(sampling or {})}
         if max_new:
@@ -220,8 +226,16 @@ def run_prompts(srv: Server, prompts: list[list[int]], logprobs: bool, max_new: 
             row["top2"] = [[t[0] for t in step[:2]] for step in meta["output_top_logprobs"]]
         return row
 
-    with cf.ThreadPoolExecutor(CONCURRENCY) as pool:
+    with cf.ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(len(prompts))))
+
+
+def batch_noise_floor(srv: Server, prompts: list[list[int]], reference: list[dict]) -> dict:
+    """The target alone against itself: the same server and prompts, one request at a time instead of
+    CONCURRENCY in flight. Every parting here comes from batch composition alone (GEMM tiling, KV split
+    counts, MoE routing ties), none from speculation: the floor a speculative arm's partings are read
+    against. Under SGLang's deterministic mode it must be zero."""
+    return compare(reference, run_prompts(srv, prompts, logprobs=False, max_new=None, concurrency=1))
 
 
 def compare(ref: list[dict], rows: list[dict]) -> dict:
@@ -441,6 +455,7 @@ def main():
                 log = srv.log()
                 if head is None:
                     state[ref_key] = rows
+                    row["batch_noise_floor"] = batch_noise_floor(srv, prompts, rows)
                     row["passed"] = True
                 elif head == "mha-upstream":
                     metas = [r["meta"] for r in rows]

@@ -95,7 +95,7 @@ def step_build() -> None:
 
 
 TRAIN_COMMON = ["--target", TARGET, "--turns", "first", "--max-new-tokens", "256", "--draft-vocab-size", "16384",
-                "--epochs", "4", "--lr", "2e-3", "--grad-accum", "1", "--ttt-steps", "7",
+                "--epochs", "6", "--lr", "2e-3", "--grad-accum", "1", "--ttt-steps", "7",
                 "--eval-data", f"{DATA}/gsm8k-test.jsonl", "--eval-prompts", "32", "--eval-max-new-tokens", "128",
                 "--device", "cuda", "--max-train-minutes", os.environ.get("TRAIN_MINUTES", "5"), "--profile-steps", "3"]
 TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRAIN_SHAREGPT', '1500')}",
@@ -185,6 +185,8 @@ def step_target_and_regen() -> dict:
                                                      "requests_s": round(time.time() - t, 1),
                                                      "output_tokens": sum(len(r["ids"]) for r in rows)}
         state.setdefault("outputs", {})["target"] = [r["ids"] for r in rows]
+        state["results"]["target"]["batch_noise_floor"] = CS.batch_noise_floor(srv, state["prompts"], rows)
+        say(f"target: against itself one request at a time {state['results']['target']['batch_noise_floor']}")
         json.dump(state, open(state_path, "w"))
         srows = CST.greedy_ids(srv, greedy_prompts)
         greedy["plugin"] = dict(CST.compare(ref, srows), start_s=srv.ready_s)
@@ -210,6 +212,18 @@ def step_target_and_regen() -> dict:
             say(f"upstream: ready in {srv2.ready_s:.0f}s; vs transformers {greedy['upstream']}")
         else:
             say("upstream: server did not start\n" + srv2.log()[-2000:])
+    # the same comparison with SGLang computing in fp32 like the transformers reference: what remains of the
+    # bf16 partings above is then kernel order, not the dtype
+    srv3 = Server("scale-target-fp32", CS.server_args(None, []) + ["--dtype", "float32"])
+    with srv3:
+        if srv3.wait_ready(300):
+            frows = CST.greedy_ids(srv3, greedy_prompts)
+            greedy["plugin_fp32"] = dict(CST.compare(ref, frows), start_s=srv3.ready_s)
+            say(f"fp32: ready in {srv3.ready_s:.0f}s; vs transformers fp32 {greedy['plugin_fp32']}")
+        else:
+            errors = [x for x in srv3.log().splitlines() if "Error" in x]
+            greedy["plugin_fp32"] = {"error": errors[-1][:300] if errors else "did not start"}
+            say("fp32: server did not start\n" + srv3.log()[-2000:])
     greedy["prompts"], greedy["max_new_tokens"] = len(greedy_prompts), CST.MAX_NEW
     save("scale_greedy.json", greedy)
     if "mha" in trainers:
@@ -327,9 +341,13 @@ def run() -> int:
     try:
         step_build()
         trainers = step_target_and_regen()
-        wanted = os.environ.get("PIPE_ARMS", "mha-chain mha-chain-verify-decode target-deterministic "
-                                "mha-chain-deterministic mla-chain-verify-decode mla-tree-verify-decode upstream-mha-chain mla-tree mla-chain "
-                                "mha-tree mha-chain-fp8 mha-chain-no-overlap mha-chain-sampled mla-tree-sampled").split()
+        # deterministic mode with verify as decode attention: the arms where greedy speculation must equal the
+        # target alone exactly
+        # (mha-chain and mla-chain: the plugin's default, chains verified as decode attention)
+        wanted = os.environ.get("PIPE_ARMS", "target-deterministic mha-chain-verify-decode-deterministic mha-chain "
+                                "mla-chain-verify-decode-deterministic mla-chain mla-tree-verify-decode "
+                                "mha-chain-deterministic upstream-mha-chain mla-tree mha-tree mha-chain-fp8 "
+                                "mha-chain-no-overlap mha-chain-sampled mla-tree-sampled").split()
         # the arms before the first one that needs the MLA head run while that head may still train
         cut = next((i for i, a in enumerate(wanted) if arm_head(a) == "mla"), len(wanted))
         first = wanted[:cut]
