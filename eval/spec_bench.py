@@ -309,6 +309,21 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
     return row
 
 
+def profile_level_of(spec: str | None, arm: str) -> int | None:
+    """--profile-at: "64" profiles every arm at 64 requests; "nospec:1,plugin-chain:64" only those arms."""
+    if not spec:
+        return None
+    if ":" not in spec:
+        return int(spec)
+    levels = {}
+    for part in spec.split(","):
+        name, _, level = part.partition(":")
+        if name not in ARMS or not level.isdigit():
+            raise SystemExit(f"--profile-at {spec!r}: {part!r} is not ARM:CONCURRENCY with ARM one of {list(ARMS)}")
+        levels[name] = int(level)
+    return levels.get(arm)
+
+
 def adaptive_facts(log: str) -> dict | None:
     """The cost policy's decisions and periodic summaries (steps per depth, measured step time per depth) from a
     server log, and how often SGLang switched its runtime state: what a protected arm's speed is made of."""
@@ -473,8 +488,9 @@ def main(argv=None) -> int:
     # 34 GiB (tree) and an MLA head's draft graphs 25 GiB more (H200, Kimi-K2.5 shapes); at 0.8 upstream ran out
     # of memory capturing them, and at 0.7 the MLA head did at 32 requests
     r.add_argument("--mem-fraction-static", type=float, default=0.6)
-    r.add_argument("--profile-at", type=int, default=None,
-                   help="also profile 10 scheduler steps at this concurrency (GPU busy fraction, top kernels)")
+    r.add_argument("--profile-at", default=None,
+                   help="also profile 10 scheduler steps (GPU busy fraction, top kernels): a concurrency for every "
+                        "arm, or ARM:C[,ARM:C...] for some (e.g. nospec:1,zero-accept-protected-verify-decode:1)")
     r.add_argument("--port", type=int, default=30177)
     r.add_argument("--deadline-s", type=float, default=1e9, help="start no arm after this many seconds")
     rp = sub.add_parser("report")
@@ -488,6 +504,7 @@ def main(argv=None) -> int:
     al.add_argument("--redo", default="", help="comma-separated arms to measure again even if the state has them")
     al.add_argument("arms", nargs="*", metavar="ARM", help=f"default: {' '.join(PRIORITY)}")
     args = ap.parse_args(argv)
+    profile_level_of(getattr(args, "profile_at", None), "nospec")  # a malformed value fails before any server
     if args.cmd == "all":
         unknown = [a for a in args.arms if a not in ARMS]
         if unknown:
@@ -507,7 +524,7 @@ def main(argv=None) -> int:
                     str(args.input_len), "--output-len", str(args.output_len), "--max-bs", str(args.max_bs),
                     "--mem-fraction-static", str(args.mem_fraction_static), "--port", str(args.port),
                     "--deadline-s", str(args.deadline_s)] + \
-                   ([] if args.profile_at is None else ["--profile-at", str(args.profile_at)])
+                   ([] if args.profile_at is None else ["--profile-at", args.profile_at])
         if todo:
             main(["run", *todo, *run_opts])
         return main(["report", "--out", args.out])
@@ -523,7 +540,8 @@ def main(argv=None) -> int:
                 print(f"[bench] {arm}: not started (deadline)")
                 continue
             row = run_arm(arm, [int(c) for c in args.concurrency.split(",")], args.repeats, args.input_len,
-                          args.output_len, args.max_bs, args.mem_fraction_static, args.port, args.profile_at)
+                          args.output_len, args.max_bs, args.mem_fraction_static, args.port,
+                          profile_level_of(args.profile_at, arm))
             state.setdefault("arms", {})[arm] = row
             json.dump(state, open(state_path, "w"))
             if "error" in row:  # the next arm may still run (each arm is its own server)

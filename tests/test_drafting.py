@@ -79,7 +79,6 @@ def test_tree_keeps_best_nodes_by_cumulative_probability():
 
 def test_draft_vocab_mapping_is_applied():
     head, t = _head(vocab=64)
-    cfg = head.config
     cfg2 = tiny.head_config_for(t.config, "mha", [0, 1], draft_vocab_size=16)
     h2 = tiny.random_head(cfg2, t, std=0.3)
     hot = torch.arange(16) * 4 + 1

@@ -149,3 +149,14 @@ def test_adaptive_facts_from_a_server_log():
     assert facts["last_decisions"][0].startswith("depth 3 -> 0")
     assert facts["summaries"] == [log.splitlines()[2].split("summary: ")[1]]
     assert adaptive_facts("[2026-11-30] Decode batch, #running-req: 1") is None  # no policy: nothing to keep
+
+
+def test_profile_levels_for_every_arm_or_some():
+    from eval.spec_bench import profile_level_of
+
+    assert profile_level_of(None, "nospec") is None and profile_level_of("64", "plugin-chain") == 64
+    spec = "nospec:1,zero-accept-protected-verify-decode:64"
+    assert profile_level_of(spec, "nospec") == 1 and profile_level_of(spec, "plugin-chain") is None
+    assert profile_level_of(spec, "zero-accept-protected-verify-decode") == 64
+    with pytest.raises(SystemExit, match="nospek"):
+        profile_level_of("nospek:1", "nospec")
