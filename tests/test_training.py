@@ -331,7 +331,8 @@ def test_decoder_layer_can_start_from_a_target_layer(tiny_pair):
 
     target, _ = tiny_pair
     head = Eagle3Head(head_config_for(target.config, "mha", [0, 1, 2]))
-    assert init_layer_from_target(head, target, 2)
+    assert set(init_layer_from_target(head, target, 2)) == {"self_attn", "mlp", "input_layernorm",
+                                                           "post_attention_layernorm", "hidden_norm"}
     src = target.model.layers[2]
     assert torch.equal(head.layer.mlp.down_proj.weight, src.mlp.down_proj.weight)
     assert torch.equal(head.layer.self_attn.o_proj.weight, src.self_attn.o_proj.weight)
@@ -342,18 +343,30 @@ def test_decoder_layer_can_start_from_a_target_layer(tiny_pair):
     assert torch.allclose(head.project_aux(aux), aux[:, 2 * h:])  # fc passes the last aux state through
     mla = Eagle3Head(head_config_for(target.config, "mla", [0, 1, 2]))
     before = {k: v.clone() for k, v in mla.state_dict().items()}
-    assert not init_layer_from_target(mla, target, 2)  # no MLA source layer in a Llama target: untouched
-    assert all(torch.equal(before[k], v) for k, v in mla.state_dict().items())
+    # no MLA source layer in a Llama target: the attention stays as it was, the MLP and norms are the target's
+    assert "self_attn" not in init_layer_from_target(mla, target, 2)
+    assert all(torch.equal(before[k], v) for k, v in mla.state_dict().items() if "self_attn" in k)
+    assert torch.equal(mla.layer.mlp.up_proj.weight, src.mlp.up_proj.weight)
     # an MLA head under a DeepSeek target starts from its (dense) MLA layer the same way
     ds = tiny.build_target(tiny.deepseek_v3_config(num_layers=4, moe_layers=1, hidden=64, heads=4, vocab=400,
                                                    q_lora_rank=32, kv_lora_rank=32, qk_nope=16, qk_rope=8,
                                                    v_head=16))
     mla = Eagle3Head(head_config_for(ds.config, "mla", [0, 1, 2]))
-    assert init_layer_from_target(mla, ds, 1)
+    assert {"self_attn", "mlp"} <= set(init_layer_from_target(mla, ds, 1))
     a, t = mla.layer.self_attn, ds.model.layers[1].self_attn
     assert torch.equal(a.kv_b_proj.weight, t.kv_b_proj.weight) and torch.equal(a.q_b_proj.weight, t.q_b_proj.weight)
     assert torch.equal(a.kv_a_proj_with_mqa.weight[:, 64:], 0.5 * t.kv_a_proj_with_mqa.weight)
-    assert not init_layer_from_target(Eagle3Head(head_config_for(ds.config, "mla", [0, 1, 2])), ds, 3)  # MoE
+    # a MoE source layer: its attention, not its MLP
+    assert "mlp" not in init_layer_from_target(Eagle3Head(head_config_for(ds.config, "mla", [0, 1, 2])), ds, 3)
+    # an MHA head under the DeepSeek target: the dense layer's MLP and norms, its own attention
+    mha = Eagle3Head(head_config_for(ds.config, "mha", [0, 1, 2]))
+    attn_before = {k: v.clone() for k, v in mha.layer.self_attn.state_dict().items()}
+    parts = init_layer_from_target(mha, ds, 1)
+    assert "mlp" in parts and "self_attn" not in parts
+    assert torch.equal(mha.layer.mlp.gate_proj.weight, ds.model.layers[1].mlp.gate_proj.weight)
+    assert all(torch.equal(attn_before[k], v) for k, v in mha.layer.self_attn.state_dict().items())
+    aux = torch.randn(5, 3 * 64)
+    assert torch.allclose(mha.project_aux(aux), aux[:, 2 * 64:])  # fc passes the last aux state through
 
 
 def test_profile_option_logs_where_the_step_time_goes(tiny_pair):

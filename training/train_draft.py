@@ -274,9 +274,9 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
     init_head_from_target(head, target)
     if args.init_layer != "none":
         layer = min(aux_ids[-1] + 1, n_layers - 1) if args.init_layer == "auto" else int(args.init_layer)
-        ok = init_layer_from_target(head, target, layer)
-        print(f"[train-draft] decoder layer {'initialised from' if ok else 'random (shapes differ from)'} "
-              f"target layer {layer}")
+        parts = init_layer_from_target(head, target, layer)
+        print(f"[train-draft] decoder layer: {', '.join(parts) if parts else 'nothing'} initialised from target "
+              f"layer {layer}" + ("" if {"self_attn", "mlp"} <= set(parts) else "; the rest random (shapes differ)"))
     head = head.to(device)
     lm_head = target.get_output_embeddings().weight.detach()
     tcfg = TrainConfig(ttt_steps=args.ttt_steps, lr=args.lr, epochs=args.epochs, max_steps=args.max_steps,

@@ -77,42 +77,45 @@ def init_head_from_target(head: Eagle3Head, target) -> None:
 
 
 @torch.no_grad()
-def init_layer_from_target(head: Eagle3Head, target, layer: int) -> bool:
-    """Start the head's decoder layer from one of the target's when the head has the target's layer
-    layout (MHA head under a Llama-style target, MLA head with the target's MLA dims under a DeepSeek
-    one; the source layer's MLP must be dense): attention and MLP weights copied by name, projections
-    that read the doubled Eagle3 input (embedding, hidden) get the target's weights in both halves at half
-    weight, norms copied, and fc passes the last aux state through. Returns False (nothing changed)
-    when any shape disagrees."""
+def init_layer_from_target(head: Eagle3Head, target, layer: int) -> list[str]:
+    """Start the head's decoder layer from one of the target's, part by part: the attention weights when
+    the head has the source layer's attention layout (MHA head under a Llama-style target, MLA head with
+    the target's MLA dims under a DeepSeek one), the MLP when both are dense with equal sizes (so an MHA
+    head under an MLA target still starts from the target's MLP), and each norm. A part is copied whole
+    or not at all; projections that read the doubled Eagle3 input (embedding, hidden) get the target's
+    weights in both halves at half weight. When the attention or the MLP was copied, fc passes the last
+    aux state through. Returns the parts copied ([] : nothing changed)."""
     layers = getattr(getattr(target, "model", None), "layers", None)
     if layers is None or not -len(layers) <= layer < len(layers):
-        return False
+        return []
     src, dst = layers[layer], head.layer
     h = head.config.hidden_size
     if head.config.target_hidden_size != h:
-        return False
+        return []
     source = dict(src.named_parameters())
-    plan = []
+    groups: dict[str, list] = {}
     for name, p in dst.named_parameters():
-        if name == "hidden_norm.weight":
-            name_src = "input_layernorm.weight"
-        else:
-            name_src = name
+        part = name.split(".")[0] if name.startswith(("self_attn.", "mlp.")) else name.rsplit(".", 1)[0]
+        name_src = "input_layernorm.weight" if name == "hidden_norm.weight" else name
         t = source.get(name_src)
-        if t is None:
-            return False
-        if p.shape == t.shape:
-            plan.append((p, t))
-        elif p.dim() == 2 and p.shape == (t.shape[0], 2 * t.shape[1]):
-            plan.append((p, torch.cat([0.5 * t, 0.5 * t], dim=1)))
+        if t is not None and p.shape == t.shape:
+            copy = t
+        elif t is not None and p.dim() == 2 and p.shape == (t.shape[0], 2 * t.shape[1]):
+            copy = torch.cat([0.5 * t, 0.5 * t], dim=1)
         else:
-            return False
-    for p, t in plan:
-        p.copy_(t)
-    fc = head.fc.weight
-    fc.zero_()
-    fc[:, fc.shape[1] - h:].copy_(torch.eye(h))
-    return True
+            copy = None
+        groups.setdefault(part, []).append((p, copy))
+    copied = []
+    for part, plan in groups.items():
+        if all(c is not None for _, c in plan):
+            for p, c in plan:
+                p.copy_(c)
+            copied.append(part)
+    if {"self_attn", "mlp"} & set(copied):
+        fc = head.fc.weight
+        fc.zero_()
+        fc[:, fc.shape[1] - h:].copy_(torch.eye(h))
+    return copied
 
 
 def _truncated(f: Features, max_tokens: int) -> Features:
