@@ -3,14 +3,16 @@ trainer, evaluation, head formats, worker + metrics). Steps, each skipped when i
 
 1. build   `training.scale_target` (GPU defaults, staged data), timed end to end;
 2. target  SGLang with the plugin, no speculation, check_serving's target-arm flags: greedy outputs
-           (with top-2 logprobs) of check_serving's prompts -- the reference of the spec arms; greedy vs
+           (with top-2 logprobs) of check_serving's prompts -- the reference of the spec arms -- and the
+           same prompts one at a time (the target's own batch-composition noise floor); greedy vs
            transformers fp32 (tests/gpu/check_scale_target.py); the GSM8K eval without speculation; and
            the trainer's regeneration (`--regen-server`) of ShareGPT + GSM8K-train first turns;
-3. upstream the same target in SGLang without the plugin: greedy vs transformers;
+3. upstream the same target in SGLang without the plugin, and with the plugin in fp32: greedy vs
+           transformers;
 4. heads   `training.train_draft` MHA and MLA (the MLA run reuses the MHA run's regenerated data and
            features), concurrently on the GPU;
-5. arms    tests/gpu/check_serving.py on this target (PIPE_ARMS; those not needing the MLA head first,
-           while it may still train): chain and tree with each head, upstream's kernel and verify as
+5. arms    tests/gpu/check_serving.py on this target (PIPE_ARMS; those without a head while both heads
+           train, then those not needing the MLA head while it may still train): chain and tree with each head, upstream's kernel and verify as
            decode attention, the batch-invariant pair, upstream EAGLE3 (equality with the target arm,
            accounting views, pool lines, served vs reference acceptance on the heads' own held-out
            prompts; the GSM8K eval with speculation), and the GSM8K eval through the reference
@@ -341,14 +343,17 @@ def run() -> int:
     try:
         step_build()
         trainers = step_target_and_regen()
-        # deterministic mode with verify as decode attention: the arms where greedy speculation must equal the
-        # target alone exactly
-        # (mha-chain and mla-chain: the plugin's default, chains verified as decode attention)
+        # first, deterministic mode with verify as decode attention: the arms where greedy speculation must equal
+        # the target alone exactly (mha-chain and mla-chain: the plugin's default, chains verified as decode)
         wanted = os.environ.get("PIPE_ARMS", "target-deterministic mha-chain-verify-decode-deterministic mha-chain "
                                 "mla-chain-verify-decode-deterministic mla-chain mla-tree-verify-decode "
                                 "mha-chain-deterministic upstream-mha-chain mla-tree mha-tree mha-chain-fp8 "
                                 "mha-chain-no-overlap mha-chain-sampled mla-tree-sampled").split()
-        # the arms before the first one that needs the MLA head run while that head may still train
+        # arms without a head (the target alone, deterministic) run while both heads train; the arms before
+        # the first one that needs the MLA head run while that head may still train
+        headless = [a for a in wanted if arm_head(a) is None]
+        step_arms(headless)
+        wanted = [a for a in wanted if a not in headless]
         cut = next((i for i, a in enumerate(wanted) if arm_head(a) == "mla"), len(wanted))
         first = wanted[:cut]
         step_wait_trainers({k: v for k, v in trainers.items() if k == "mha"})
