@@ -438,6 +438,11 @@ def report(out_md: str) -> dict:
             tops = "; ".join(f"{n[:40]} {t}" for n, t in p["top_kernels_ms_per_step"][:4])
             lines.append(f"| {k} | {p['window_ms'] / p['steps']:.2f} | {p['gpu_busy_ms'] / p['steps']:.2f} | "
                          f"{p['gpu_busy_fraction']:.2f} | {tops} |")
+    adaptive = {k: v["adaptive"] for k, v in arms.items() if v.get("adaptive")}
+    for k, a in adaptive.items():  # what a protected arm's speed is made of
+        lines += ["", f"`{k}`: {a['decisions']} depth decisions, {a['runtime_state_switches']} runtime-state "
+                      "switches; the policy's last summaries (steps and measured step time per depth):", ""]
+        lines += [f"- {x}" for x in a["summaries"][-6:]] or ["- (none logged)"]
     failed = {k: v["error"].splitlines()[0][:160] for k, v in arms.items() if v.get("error")}
     if failed:
         lines += ["", "Arms that failed: " + "; ".join(f"`{k}`: {e}" for k, e in failed.items())]

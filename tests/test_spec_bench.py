@@ -89,6 +89,14 @@ def test_report_from_a_state(tmp_path, monkeypatch):
     text = (tmp_path / "benchmarks.md").read_text()
     assert "`plugin-tree`: OutOfMemoryError() at concurrency 32" in text
     assert "| plugin-chain | 10.00 | 4.00 | 0.40 | gemm 2.5 |" in text
+    # a protected arm's policy summaries are in the report
+    state["arms"]["zero-accept"]["adaptive"] = {"decisions": 3, "runtime_state_switches": 5, "last_decisions": [],
+                                                "summaries": ["last 30s, batch 1-1: steps [depth 0: 3900]"]}
+    json.dump(state, open(tmp_path / "state.json", "w"))
+    sb.report(str(tmp_path / "benchmarks.md"))
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "`zero-accept`: 3 depth decisions, 5 runtime-state switches" in text
+    assert "- last 30s, batch 1-1: steps [depth 0: 3900]" in text
 
 
 def test_trace_summary_counts_overlapping_kernels_once(tmp_path):
