@@ -137,7 +137,8 @@ def _fill(backend, forward_batch, bs: int, n: int, kv_indptr: torch.Tensor, kv_i
     if (getattr(backend, "topk", 0) or 0) <= 1:
         return expand_verify_indices(backend.req_to_token, pools, seq_lens, n, kv_indptr, kv_indices)
     if mask is None or mask_indptr is None:
-        raise RuntimeError(f"{ENV}=decode: a tree verify batch without its mask; unset {ENV} and report this")
+        raise RuntimeError(f"verify as decode attention: a tree verify batch without its mask; set {ENV}=extend "
+                           "(upstream's kernel) and report this")
     from sglang_ext.serving.verify_kernels import tree_verify_indices
 
     return tree_verify_indices(backend.req_to_token, pools, seq_lens, n, mask, mask_indptr, kv_indptr, kv_indices)
@@ -152,7 +153,8 @@ def _graph_mask(backend, forward_batch, bs: int):
     if vm is None or getattr(spec, "custom_mask", None) is None:
         return None, None
     if int(vm.mode) != 0:  # TreeMaskMode.FULL_MASK, the layout verify_kernels reads (the GPU default)
-        raise RuntimeError(f"{ENV}=decode: verify mask layout {vm.mode!r} is not supported; unset {ENV}")
+        raise RuntimeError(f"verify as decode attention: verify mask layout {vm.mode!r} is not supported; "
+                           f"set {ENV}=extend")
     return vm.buffer, backend.mask_indptr[: bs + 1]
 
 
@@ -202,8 +204,9 @@ def init_forward_metadata_out_graph_after(result, self, forward_batch, in_captur
     queries = bs * n
     buf = getattr(self, INDPTR, None)  # allocated with the backend's other CUDA-graph buffers
     if buf is None or queries + 1 > buf.shape[0] or queries > self.cuda_graph_attn_logits.shape[0]:
-        raise RuntimeError(f"{ENV}=decode: {queries} verify queries exceed the CUDA-graph buffers "
-                           f"({None if buf is None else buf.shape[0] - 1}); unset {ENV} and report this")
+        raise RuntimeError(f"verify as decode attention: {queries} verify queries exceed the CUDA-graph buffers "
+                           f"({None if buf is None else buf.shape[0] - 1}); set {ENV}=extend (upstream's kernel) "
+                           "and report this")
     lens = _fill(self, forward_batch, bs, n, buf, self.cuda_graph_kv_indices, *_graph_mask(self, forward_batch, bs))
     self.get_num_kv_splits(self.cuda_graph_num_kv_splits[:queries], lens)
     if in_capture:
