@@ -279,9 +279,7 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
     row = {"arm": arm, "args": args, "env": env, "levels": {}}
     with Server(f"bench-{arm}", args, env) as srv:
         if not srv.wait_ready(420):
-            log = srv.log()
-            errors = [x for x in log.splitlines() if "Error" in x]
-            row["error"] = f"server did not start: {errors[-1][:300] if errors else 'no error line'}\n{log[-3000:]}"
+            row["error"] = f"server did not start: {srv.last_error()}\n{srv.log()[-3000:]}"
             return row
         row["start_s"] = srv.ready_s
         measure(srv.url, prompts(8, input_len, seed=99), 8, [32] * 8)  # first-use kernel compiles, not timed

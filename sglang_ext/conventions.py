@@ -189,20 +189,19 @@ def parse_override(text: str, field: str = OVERRIDE_ENV) -> list[int]:
 
 
 def env_option_set(name: str, off_values: Sequence[str]) -> bool:
-    """Whether an opt-in environment option is set to anything but an off value (case-insensitive).
-    Never raises: the plugin registers an option's hooks by this, and SGLang's plugin loader swallows an
-    exception from registration (the server would run without the plugin); `env_option_on` refuses."""
+    """Whether an environment option is set to anything but an off value (case-insensitive). Never raises:
+    the plugin registers an option's hooks by this, and SGLang's plugin loader swallows an exception from
+    registration (the server would run without the plugin); `env_choice` refuses."""
     return os.environ.get(name, "").strip().lower() not in off_values
 
 
-def env_option_on(name: str, on_value: str, off_values: Sequence[str], what: str, fix: str) -> bool:
-    """True for `on_value`, False for an off value; anything else is refused with field, value and fix."""
+def env_choice(name: str, choices: Mapping[str, Any], what: str, fix: str) -> Any:
+    """What an environment option's value (case-insensitive; unset is "") means, from `choices`; any other
+    value is refused with field, value and fix."""
     value = os.environ.get(name, "").strip().lower()
-    if value in off_values:
-        return False
-    if value != on_value:
+    if value not in choices:
         raise ConfigError(name, value, what, fix)
-    return True
+    return choices[value]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import logging
 import os
 import time
 
-from sglang_ext.conventions import env_option_on, env_option_set
+from sglang_ext.conventions import env_choice, env_option_set
 from sglang_ext.core.adaptive import CostModelPolicy
 
 logger = logging.getLogger(__name__)
@@ -48,8 +48,8 @@ def requested() -> bool:
 @functools.lru_cache(maxsize=1)
 def enabled() -> bool:
     """The cost policy is on; an unknown value is refused (at startup: warn_if_inert calls this)."""
-    return env_option_on(POLICY_ENV, "cost", OFF_VALUES, "unknown adaptive policy",
-                         "use 'cost' or leave it unset (upstream)")
+    return env_choice(POLICY_ENV, {"cost": True, **{v: False for v in OFF_VALUES}}, "unknown adaptive policy",
+                      "use 'cost' or leave it unset (upstream)")
 
 
 class StepClock:

@@ -39,7 +39,7 @@ import os
 
 import torch
 
-from sglang_ext.conventions import ConfigError
+from sglang_ext.conventions import env_choice, env_option_set
 
 logger = logging.getLogger(__name__)
 
@@ -56,18 +56,14 @@ def mode() -> str:
     """'auto' (unset; the default): chain verify as decode attention, draft trees on upstream's kernel;
     'decode': chains and trees; 'extend' (also 'off', 'upstream'): upstream's kernel only. An unknown value is
     refused with field, value and fix."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value not in MODES:
-        raise ConfigError(ENV, value, "unknown verify mode",
-                          "use 'auto' (the default: chains as decode attention), 'decode' (chains and trees) or "
-                          "'extend' (upstream's kernel)")
-    return MODES[value]
+    return env_choice(ENV, MODES, "unknown verify mode", "use 'auto' (the default: chains as decode attention), "
+                      "'decode' (chains and trees) or 'extend' (upstream's kernel)")
 
 
 def requested() -> bool:
     """Whether the hooks are registered: unless the operator chose upstream's kernel. Never raises (SGLang's
     plugin loader swallows exceptions); an unknown value is refused by ``validate()`` at server start."""
-    return os.environ.get(ENV, "").strip().lower() not in OFF_VALUES
+    return env_option_set(ENV, OFF_VALUES)
 
 
 def validate() -> bool:
@@ -130,12 +126,13 @@ def expand_verify_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Te
 
 
 def _fill(backend, forward_batch, bs: int, n: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-          mask: torch.Tensor | None, mask_indptr: torch.Tensor | None) -> torch.Tensor:
+          tree_mask) -> torch.Tensor:
     """Per-query KV index lists: a chain's causal windows, or for a tree (topk > 1) the rows of EAGLE's
-    verify mask (`mask`, packed per request from `mask_indptr`)."""
+    verify mask, packed per request; `tree_mask()` gives (mask, mask_indptr), asked only for a tree."""
     pools, seq_lens = forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs]
     if (getattr(backend, "topk", 0) or 0) <= 1:
         return expand_verify_indices(backend.req_to_token, pools, seq_lens, n, kv_indptr, kv_indices)
+    mask, mask_indptr = tree_mask()
     if mask is None or mask_indptr is None:
         raise RuntimeError(f"verify as decode attention: a tree verify batch without its mask; set {ENV}=extend "
                            "(upstream's kernel) and report this")
@@ -180,7 +177,7 @@ def init_forward_metadata_after(result, self, forward_batch, *args, **kwargs):
     kv_indptr = torch.empty(bs * n + 1, dtype=torch.int32, device=self.device)
     kv_indices = torch.empty(total, dtype=torch.int64, device=self.device)
     meta = self.forward_metadata  # upstream's, just built for this batch
-    lens = _fill(self, forward_batch, bs, n, kv_indptr, kv_indices, meta.custom_mask, meta.mask_indptr)
+    lens = _fill(self, forward_batch, bs, n, kv_indptr, kv_indices, lambda: (meta.custom_mask, meta.mask_indptr))
     num_kv_splits = torch.empty(bs * n, dtype=torch.int32, device=self.device)
     self.get_num_kv_splits(num_kv_splits, lens)
     self.forward_metadata = dataclasses.replace(
@@ -207,7 +204,8 @@ def init_forward_metadata_out_graph_after(result, self, forward_batch, in_captur
         raise RuntimeError(f"verify as decode attention: {queries} verify queries exceed the CUDA-graph buffers "
                            f"({None if buf is None else buf.shape[0] - 1}); set {ENV}=extend (upstream's kernel) "
                            "and report this")
-    lens = _fill(self, forward_batch, bs, n, buf, self.cuda_graph_kv_indices, *_graph_mask(self, forward_batch, bs))
+    lens = _fill(self, forward_batch, bs, n, buf, self.cuda_graph_kv_indices,
+                 lambda: _graph_mask(self, forward_batch, bs))
     self.get_num_kv_splits(self.cuda_graph_num_kv_splits[:queries], lens)
     if in_capture:
         self.forward_metadata = dataclasses.replace(

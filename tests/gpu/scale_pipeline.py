@@ -12,8 +12,9 @@ trainer, evaluation, head formats, worker + metrics). Steps, each skipped when i
 4. heads   `training.train_draft` MHA and MLA (the MLA run reuses the MHA run's regenerated data and
            features), concurrently on the GPU;
 5. arms    tests/gpu/check_serving.py on this target (PIPE_ARMS; those without a head while both heads
-           train, then those not needing the MLA head while it may still train): chain and tree with each head, upstream's kernel and verify as
-           decode attention, the batch-invariant pair, upstream EAGLE3 (equality with the target arm,
+           train, then those not needing the MLA head while it may still train): chain and tree with
+           each head, upstream's kernel and verify as decode attention, the deterministic (batch-invariant)
+           arms, upstream EAGLE3 (equality with the target arm,
            accounting views, pool lines, served vs reference acceptance on the heads' own held-out
            prompts; the GSM8K eval with speculation), and the GSM8K eval through the reference
            decoder on the same questions, compared per question with the server's
@@ -223,8 +224,7 @@ def step_target_and_regen() -> dict:
             greedy["plugin_fp32"] = dict(CST.compare(ref, frows), start_s=srv3.ready_s)
             say(f"fp32: ready in {srv3.ready_s:.0f}s; vs transformers fp32 {greedy['plugin_fp32']}")
         else:
-            errors = [x for x in srv3.log().splitlines() if "Error" in x]
-            greedy["plugin_fp32"] = {"error": errors[-1][:300] if errors else "did not start"}
+            greedy["plugin_fp32"] = {"error": srv3.last_error()}
             say("fp32: server did not start\n" + srv3.log()[-2000:])
     greedy["prompts"], greedy["max_new_tokens"] = len(greedy_prompts), CST.MAX_NEW
     save("scale_greedy.json", greedy)

@@ -46,6 +46,11 @@ class Server:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
+    def last_error(self) -> str:
+        """The log's last line naming an error (what a server that did not start died of)."""
+        errors = [x for x in self.log().splitlines() if "Error" in x]
+        return errors[-1][:300] if errors else "no error line"
+
     def wait_ready(self, timeout: float = 300) -> bool:
         while time.time() - self.t0 < timeout:
             if "ready to roll" in self.log():
