@@ -185,13 +185,24 @@ def prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
     return out
 
 
+def serverlib():
+    """tests/gpu/serverlib.py: the server process helpers the GPU checks share."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "gpu")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import serverlib as lib
+
+    return lib
+
+
 def server_args(arm: str, max_bs: int, mem_fraction: float) -> tuple[list[str], dict]:
     head, drafting, env, simulated = ARMS[arm]
+    tp_args = serverlib().tp_args
     bs = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b <= max_bs]
     args = ["--model-path", f"{WORK}/target", "--load-format", "dummy", "--attention-backend", "triton",
             "--mem-fraction-static", str(mem_fraction), "--max-running-requests", str(max_bs),
             "--cuda-graph-bs-decode", *map(str, bs), "--disable-prefill-cuda-graph",
-            "--tp-size", os.environ.get("SPEC_BENCH_TP", "1")]  # TP=2 on nvidia-h200-x2 (the TP issue)
+            *tp_args(int(os.environ.get("SPEC_BENCH_TP", "1")))]  # TP=2 on nvidia-h200-x2 (the TP issue)
     if head is not None:
         args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", f"{WORK}/head-{head}",
                  *drafting]
@@ -269,9 +280,8 @@ def profile_level(srv, ps: list[str], concurrency: int, output_len: int, steps: 
 
 def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_len: int, max_bs: int,
             mem_fraction: float, port: int, profile_at: int | None = None) -> dict:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "gpu"))
     os.environ["GPU_CHECK_PORT"] = str(port)
-    from serverlib import Server
+    Server = serverlib().Server
 
     from eval.bench import run_arm as measure
 

@@ -22,11 +22,16 @@ p = argparse.ArgumentParser()
 ServerArgs.add_cli_args(p)
 lines = {}
 for name in CS.ARMS:
-    a = p.parse_args(CS.arm_args(name))
+    a = p.parse_args(CS.BASE_ARGS + CS.arm_args(name))  # what Server launches
     lines[name] = [a.speculative_algorithm, a.speculative_eagle_topk, a.disable_overlap_schedule, a.enable_fp32_lm_head,
-                   a.max_running_requests, a.enable_deterministic_inference]
+                   a.max_running_requests, a.enable_deterministic_inference, a.attention_backend,
+                   sorted(CS.ARMS[name][2].items()), a.enforce_disable_flashinfer_allreduce_fusion]
+import os
+os.environ["GPU_CHECK_TP"] = "2"
+a = p.parse_args(CS.BASE_ARGS + CS.arm_args("mla-tree"))
+tp2 = [a.tp_size, a.enforce_disable_flashinfer_allreduce_fusion]
 print(json.dumps({"train": [args.batch_tokens, args.profile_steps, args.max_train_minutes, args.ttt_steps,
-                            args.draft_format], "arms": lines}))
+                            args.draft_format], "arms": lines, "tp2": tp2}))
 """
 
 
@@ -40,12 +45,23 @@ def test_gpu_script_command_lines_parse():
     assert arms["target"][0] is None and arms["mha-chain"][:2] == ["EAGLE3", 1] and arms["mla-tree"][1] == 4
     assert arms["mha-chain-no-overlap"][2] is True and arms["mha-chain"][2] is False
     assert all(a[3] is True and a[4] == 64 for a in arms.values())
-    # the batch-invariant set: the target alone and chain arms (upstream's verify kernel, and verify as decode
-    # attention), all with SGLang's deterministic mode
-    assert {n for n, a in arms.items() if a[5]} == {"target-deterministic", "mha-chain-deterministic",
-                                                   "mla-chain-deterministic", "mha-chain-verify-decode-deterministic",
-                                                   "mla-chain-verify-decode-deterministic"}
+    # the backend verify as decode attention extends, named (deterministic mode must be given one for an MLA target;
+    # SGLang's own default on Hopper is fa3)
+    assert all(a[6] == "triton" for a in arms.values())
+    # the batch-invariant set (SGLang's deterministic mode): the target alone, chains on upstream's verify kernel,
+    # and every drafting shape verified as decode attention (chain, tree, fp8 draft KV, overlap off)
+    det = {n for n, a in arms.items() if a[5]}
+    assert det == {"target-deterministic", "mha-chain-deterministic", "mla-chain-deterministic"} | {
+        f"{n}-verify-decode-deterministic" for n in ("mha-chain", "mla-chain", "mha-tree", "mla-tree", "mha-chain-fp8",
+                                                     "mha-chain-no-overlap")}
     assert arms["mha-chain-deterministic"][:2] == ["EAGLE3", 1] and arms["target-deterministic"][0] is None
+    assert dict(arms["mha-chain-deterministic"][7]) == {"SGLANG_EXT_MLA_VERIFY": "extend"}
+    assert dict(arms["mha-chain-fp8-verify-decode-deterministic"][7]) == {
+        "SGLANG_EXT_DRAFT_KV_CACHE_DTYPE": "fp8_e4m3", "SGLANG_EXT_MLA_VERIFY": "decode"}
+    assert arms["mla-tree-verify-decode-deterministic"][1] == 4
+    assert arms["mha-chain-no-overlap-verify-decode-deterministic"][2] is True
+    # TP=2: FlashInfer's all-reduce fusion off (it hangs TP=2 start on the lent machine; serverlib.tp_args)
+    assert r["tp2"] == [2, True] and not any(a[8] for a in arms.values())
 
 
 def test_compare_tp_scores_partings_by_the_first_runs_gaps():
@@ -57,11 +73,16 @@ def test_compare_tp_scores_partings_by_the_first_runs_gaps():
              "outputs": {"target": [[1, 2, 3], [4, 5]], "mha-chain": [[1, 2, 3], [4, 5]]},
              "results": {"mha-chain": {"accepted_drafts_per_step": 0.5, "all_views_agree": True,
                                        "invariant_failures": 0, "views": {"meta_info": {"position": [3, 1, 0]}}}}}
-    second = {"outputs": {"target": [[1, 2, 3], [4, 5]], "mha-chain": [[1, 9, 9], [4, 7]]},
+    second = {"reference": [{"ids": [1, 9, 9], "top2": [[-0.1, -3.0], [-0.5, -0.6], [-0.2, -2.0]]},
+                            {"ids": [4, 5], "top2": [[-0.1, -2.0], [-0.1, -4.0]]}],
+              "outputs": {"target": [[1, 2, 3], [4, 5]], "mha-chain": [[1, 9, 9], [4, 7]]},
               "results": {"mha-chain": {"accepted_drafts_per_step": 0.52, "all_views_agree": True,
                                         "invariant_failures": 0, "views": {"meta_info": {"position": [3, 1, 1]}}}}}
     r = compare_runs(first, second)
     assert r["target"]["vs_first_run"]["identical"] == 2
     v = r["mha-chain"]["vs_first_run"]  # parts at a 0.01 gap (a near tie) and at a 3.9 gap (a real parting)
     assert (v["identical"], v["near_tie_partings"], v["other_partings"]) == (0, 1, 1)
+    # against the second run's own target: one identical, one parting at its own 3.9 gap
+    w = r["mha-chain"]["vs_second_target"]
+    assert (w["identical"], w["near_tie_partings"], w["other_partings"]) == (1, 0, 1)
     assert r["mha-chain"]["accepted_drafts_per_step_second"] == 0.52 and r["mha-chain"]["position_first"] == [3, 1, 0]

@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from serverlib import Server  # noqa: E402
+from serverlib import BASE_ARGS, Server, tp_args  # noqa: E402
 
 from sglang_ext.conventions import load_json, parse_draft, parse_target  # noqa: E402
 from sglang_ext.draft_schema import draft_kv_bytes_per_token, target_kv_bytes_per_token  # noqa: E402
@@ -76,15 +76,16 @@ ARMS = {
 # attention bit for bit), so greedy speculation must give the target's output exactly -- a check that bf16
 # kernel differences cannot blur; upstream's verify (its extend kernel) rounds differently, so the arms without
 # "verify-decode" (=extend) show what remains without it.
-DETERMINISTIC = {"target-deterministic", "mha-chain-deterministic", "mla-chain-deterministic",
-                 "mha-chain-verify-decode-deterministic", "mla-chain-verify-decode-deterministic"}
-ARMS.update({
-    "target-deterministic": (None, [], {}, False, None),
-    "mha-chain-deterministic": ("mha", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "extend"}, False, None),
-    "mha-chain-verify-decode-deterministic": ("mha", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "decode"}, False, None),
-    "mla-chain-verify-decode-deterministic": ("mla", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "decode"}, False, None),
-    "mla-chain-deterministic": ("mla", CHAIN, {"SGLANG_EXT_MLA_VERIFY": "extend"}, False, None),
-})
+DETERMINISTIC = {"target-deterministic"}
+ARMS["target-deterministic"] = (None, [], {}, False, None)
+for _name in ("mha-chain", "mla-chain"):  # upstream's extend kernel: what remains without verify as decode
+    ARMS[f"{_name}-deterministic"] = (ARMS[_name][0], ARMS[_name][1], {"SGLANG_EXT_MLA_VERIFY": "extend"}, False, None)
+    DETERMINISTIC.add(f"{_name}-deterministic")
+for _name in ("mha-chain", "mla-chain", "mha-tree", "mla-tree", "mha-chain-fp8", "mha-chain-no-overlap"):
+    _head, _drafting, _env = ARMS[_name][:3]
+    ARMS[f"{_name}-verify-decode-deterministic"] = (_head, _drafting, {**_env, "SGLANG_EXT_MLA_VERIFY": "decode"},
+                                                    False, None)
+    DETERMINISTIC.add(f"{_name}-verify-decode-deterministic")
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 WORDS = ["the", "a", "of", "and", "to", "is", "in", "number", "answer", "apples", "cost", "dollars", "what",
          "how", "many", "total", "each", "has"]
@@ -166,7 +167,7 @@ def train_heads() -> subprocess.Popen | None:
 
 def server_args(head: str | None, drafting: list[str]) -> list[str]:
     args = ["--model-path", f"{WORK}/target", "--enable-metrics", "--decode-log-interval", "1",
-            "--tp-size", os.environ.get("GPU_CHECK_TP", "1"),
+            *tp_args(int(os.environ.get("GPU_CHECK_TP", "1"))),
             "--max-running-requests", "64", "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32", "64", *EXTRA_ARGS]
     if head is not None:
         args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", f"{WORK}/head-{head}",

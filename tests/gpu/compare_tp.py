@@ -34,6 +34,13 @@ def compare_runs(first: dict, second: dict) -> dict:
         rows_a = [{"ids": a, "top2": r.get("top2", [])} for a, r in zip(ids_a, ref)] if ref else \
             [{"ids": a, "top2": []} for a in ids_a]
         row = {"vs_first_run": compare(rows_a, [{"ids": b} for b in ids_b])}
+        # the second run's speculation against its own target alone (TP changes the target's reductions too)
+        ref_b = second.get("reference")
+        if ref_b and arm != "target":
+            row["vs_second_target"] = compare(ref_b, [{"ids": b} for b in ids_b])
+        if arm == "target":
+            for name, run in (("first", first), ("second", second)):
+                row[f"batch_noise_floor_{name}"] = run.get("results", {}).get("target", {}).get("batch_noise_floor")
         for name, run in (("first", first), ("second", second)):
             res = run.get("results", {}).get(arm, {})
             row[f"accepted_drafts_per_step_{name}"] = res.get("accepted_drafts_per_step")
@@ -57,6 +64,18 @@ def main() -> int:
               f"{r['position_first']} -> {r['position_second']}   "
               f"{r['views_agree_first']}/{r['views_agree_second']}   "
               f"{r['invariant_failures_first']}/{r['invariant_failures_second']}")
+    print("\nagainst each run's own target alone (identical / near-tie / other (max gap)); for the target: its batch "
+          "noise floor, one request at a time vs 64 in flight, first run | second run")
+
+    def brief(v):
+        return f"{v['identical']} / {v['near_tie_partings']} / {v['other_partings']} ({v['other_gaps_max']})" if v else "-"
+
+    for arm, r in result.items():
+        if arm == "target":
+            print(f"{arm:<15}{brief(r.get('batch_noise_floor_first'))}  |  {brief(r.get('batch_noise_floor_second'))}")
+        else:
+            first_v = first.get("results", {}).get(arm, {}).get("vs_target")
+            print(f"{arm:<15}{brief(first_v)}  |  {brief(r.get('vs_second_target'))}")
     out = os.environ.get("OUT", "/tmp")
     json.dump(result, open(os.path.join(out, "tp.json"), "w"), indent=1)
     return 0

@@ -2,14 +2,18 @@
 # The TP issue on nvidia-h200-x2, as one detached job (a device `run` kills what it leaves in its own
 # session) and a watch:
 #   phase 1, side by side: check_serving on the tiny DeepseekV3 target at TP=1 (GPU 0; heads restored from
-#            .gpu-state, so nothing trains) and the Kimi-shaped benchmark arms at TP=1 (GPU 1);
-#   phase 2, both GPUs: the same check_serving arms and benchmark arms at TP=2 (same target, heads, prompts);
-#   then tests/gpu/compare_tp.py (TP=2 vs TP=1: partings scored by TP=1's gaps, acceptance, per-position
-#   counts, views, invariant) and the benchmark reports.
+#            .gpu-state, so nothing trains) and, on GPU 1, either the batch-invariant suite on the same target
+#            (PHASE1_GPU1=deterministic, the default: SGLang's deterministic mode, target alone vs speculation)
+#            or the Kimi-shaped benchmark arms at TP=1 (PHASE1_GPU1=bench);
+#   phase 2, both GPUs: the check_serving arms TP=1 finished, at TP=2 (same target, heads, prompts), then
+#            tests/gpu/compare_tp.py (TP=2 vs TP=1: partings scored by TP=1's gaps, acceptance, per-position
+#            counts, views, invariant), then the benchmark arms at TP=2 (TP_BENCH_ARMS; empty: none).
 #     bash tests/gpu/launch_tp.sh [WATCH_SECONDS]      # later calls: bash tests/gpu/launch_tp.sh watch SECONDS
-# Env: TP_ARMS (check_serving arms), TP_BENCH_ARMS (spec_bench arms), TP_LEVELS (concurrency levels).
-# Needs /tmp/site (install.sh) and the tiny target's heads of an earlier run in .gpu-state (carry
-# .gpu-state/head-mha, .gpu-state/head-mla). Results: /tmp/tp, copied to $OUT/tp by every watch.
+# Env: TP_ARMS (check_serving arms), DET_ARMS (the deterministic suite), TP_BENCH_ARMS (spec_bench arms),
+# TP_LEVELS (concurrency levels), PHASE1_DEADLINE_S / PHASE2_DEADLINE_S (no new check arm after that many
+# seconds of the phase: device time is the budget). Needs /tmp/site (install.sh) and the tiny target's heads
+# of an earlier run in .gpu-state (carry .gpu-state/head-mha, .gpu-state/head-mla, .gpu-state/state.json).
+# Results: /tmp/tp, copied to $OUT/tp by every watch.
 set -e
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 TP=/tmp/tp
@@ -22,49 +26,74 @@ watch() {
   cat $TP/progress.log
   if [ -n "$OUT" ]; then
     mkdir -p "$OUT/tp"
-    for f in $TP/progress.log $TP/compare.txt $TP/*.md /tmp/tp1.json /tmp/tp2/state.json /tmp/tpbench1/state.json \
-             /tmp/tpbench2/state.json; do
+    for f in $TP/progress.log $TP/compare.txt $TP/*.md /tmp/tp1.json /tmp/tp2/state.json /tmp/det1/state.json \
+             /tmp/tpbench1/state.json /tmp/tpbench2/state.json; do
       [ -f "$f" ] && cp "$f" "$OUT/tp/$(echo "$f" | tr / _ | sed 's/^_//')"
     done
     for f in $TP/*.log; do tail -c 20000 "$f" > "$OUT/tp/$(basename "$f")"; done
+    # the servers' logs (the KV pool lines, any error), packed: $OUT has a file-count limit
+    tar czf "$OUT/tp/server-logs.tgz" -C /tmp tp1/out/logs tp2/out/logs det1/out/logs 2>/dev/null || true
   fi
 }
 if [ "$1" = "watch" ]; then watch "${2:-540}"; exit 0; fi
 
-ARMS=${TP_ARMS:-"target mha-chain mla-chain mha-tree mla-tree"}
-BENCH_ARMS=${TP_BENCH_ARMS:-"plugin-chain-verify-decode plugin-mla-chain plugin-tree"}
+ARMS=${TP_ARMS:-"target mha-chain mla-tree mla-chain mha-tree"}
+DET_ARMS=${DET_ARMS:-"target-deterministic mha-chain-verify-decode-deterministic mla-tree-verify-decode-deterministic \
+mla-chain-verify-decode-deterministic mha-tree-verify-decode-deterministic mha-chain-fp8-verify-decode-deterministic \
+mha-chain-no-overlap-verify-decode-deterministic mha-chain-deterministic"}
+PHASE1_GPU1=${PHASE1_GPU1:-deterministic}
+BENCH_ARMS=${TP_BENCH_ARMS-"plugin-chain-verify-decode plugin-mla-chain plugin-tree"}
 LEVELS=${TP_LEVELS:-"1,8,32"}
+P1=${PHASE1_DEADLINE_S:-1e9}
+P2=${PHASE2_DEADLINE_S:-1e9}
 mkdir -p $TP && rm -f $TP/progress.log
-cat > $TP/job.sh <<EOF
+# the job script: variables of this shell expanded now, \$ ones when the job runs
+cat > $TP/job.sh <<JOB
 say() { echo "[tp \$(date +%H:%M:%S)] \$*" >> $TP/progress.log; }
-bench() {  # WORK TP
+bench() {  # WORK TP PORT
   SPEC_BENCH_WORK=\$1 SPEC_BENCH_TP=\$2 python -m eval.spec_bench all --concurrency $LEVELS --repeats 1 \
     --port \$3 --out \$1/benchmarks.md $BENCH_ARMS
 }
-say "phase 1: TP=1 check_serving ($ARMS) on GPU 0, TP=1 benchmark ($BENCH_ARMS) on GPU 1"
-( CUDA_VISIBLE_DEVICES=0 GPU_CHECK_RESTORE=$PWD/.gpu-state GPU_CHECK_WORK=/tmp/tp1 GPU_CHECK_NO_TRAIN=1 \
-    python tests/gpu/check_serving.py $ARMS > $TP/check-tp1.log 2>&1; say "check TP=1 rc \$?" ) &
-( CUDA_VISIBLE_DEVICES=1 bench /tmp/tpbench1 1 31177 > $TP/bench-tp1.log 2>&1; say "bench TP=1 rc \$?" ) &
+check() {  # WORK TP DEADLINE RESTORE ARM... (each check builds the same tiny target; prompts, heads restored)
+  local work=\$1 tp=\$2 deadline=\$3 restore=\$4; shift 4
+  GPU_CHECK_RESTORE=\$restore GPU_CHECK_WORK=\$work GPU_CHECK_TP=\$tp GPU_CHECK_NO_TRAIN=1 \
+    GPU_CHECK_DEADLINE=\$deadline OUT=\$work/out python tests/gpu/check_serving.py "\$@"
+}
+mkdir -p /tmp/tp1/out /tmp/tp2/out /tmp/det1/out
+say "phase 1: TP=1 check_serving ($ARMS) on GPU 0; GPU 1: $PHASE1_GPU1"
+( CUDA_VISIBLE_DEVICES=0 check /tmp/tp1 1 $P1 $PWD/.gpu-state $ARMS > $TP/check-tp1.log 2>&1; say "check TP=1 rc \$?" ) &
+if [ "$PHASE1_GPU1" = bench ]; then
+  ( CUDA_VISIBLE_DEVICES=1 bench /tmp/tpbench1 1 31177 > $TP/bench-tp1.log 2>&1; say "bench TP=1 rc \$?" ) &
+else
+  ( CUDA_VISIBLE_DEVICES=1 GPU_CHECK_PORT=30377 check /tmp/det1 1 $P1 $PWD/.gpu-state $DET_ARMS > $TP/check-det.log 2>&1
+    say "deterministic suite rc \$?" ) &
+fi
 wait
 cp /tmp/tp1/state.json /tmp/tp1.json
-grep -h "^\[bench\]" $TP/bench-tp1.log >> $TP/progress.log || true
-say "phase 2: TP=2"
-# TP=2 starts from TP=1's target, heads and prompts, not its outputs: an arm that fails at TP=2 must not
-# compare TP=1's outputs with themselves
-rm -rf /tmp/tp1-restore && cp -r /tmp/tp1 /tmp/tp1-restore
+grep -h "^\[bench\]" $TP/bench-tp1.log >> $TP/progress.log 2>/dev/null || true
+for f in $TP/check-tp1.log $TP/check-det.log; do sed -n '/^arm  /,\$p' \$f >> $TP/progress.log 2>/dev/null || true; done
+# TP=2 runs the arms TP=1 finished, from TP=1's target, heads and prompts, not its outputs: an arm that fails
+# at TP=2 must not compare TP=1's outputs with themselves
+DONE_ARMS=\$(python -c "import json; r = json.load(open('/tmp/tp1.json')).get('results', {}); print(' '.join(a for a in '$ARMS'.split() if r.get(a, {}).get('passed') is not None))")
+say "phase 2: TP=2 check_serving (\$DONE_ARMS)"
+rm -rf /tmp/tp1-restore && mkdir -p /tmp/tp1-restore && cp -r /tmp/tp1/target /tmp/tp1/head-* /tmp/tp1-restore/
 python -c "import json; s = json.load(open('/tmp/tp1.json')); json.dump({'prompts': s['prompts']}, open('/tmp/tp1-restore/state.json', 'w'))"
-GPU_CHECK_RESTORE=/tmp/tp1-restore GPU_CHECK_WORK=/tmp/tp2 GPU_CHECK_TP=2 GPU_CHECK_NO_TRAIN=1 \
-  python tests/gpu/check_serving.py $ARMS > $TP/check-tp2.log 2>&1; say "check TP=2 rc \$?"
+GPU_CHECK_PORT=30477 check /tmp/tp2 2 $P2 /tmp/tp1-restore \$DONE_ARMS > $TP/check-tp2.log 2>&1; say "check TP=2 rc \$?"
+sed -n '/^arm  /,\$p' $TP/check-tp2.log >> $TP/progress.log || true
 python tests/gpu/compare_tp.py /tmp/tp1.json /tmp/tp2/state.json > $TP/compare.txt 2>&1; say "compare rc \$?"
 cat $TP/compare.txt >> $TP/progress.log
-mkdir -p /tmp/tpbench2   # the same target and heads; the TP=1 arms are not carried over
-cp -r /tmp/tpbench1/target /tmp/tpbench1/head-* /tmp/tpbench2/
-python -c "import json; s = json.load(open('/tmp/tpbench1/state.json')); json.dump({'build': s['build']}, open('/tmp/tpbench2/state.json', 'w'))"
-bench /tmp/tpbench2 2 31178 > $TP/bench-tp2.log 2>&1; say "bench TP=2 rc \$?"
-grep -h "^\[bench\]" $TP/bench-tp2.log >> $TP/progress.log || true
+if [ -n "$BENCH_ARMS" ]; then
+  mkdir -p /tmp/tpbench2   # TP=1's target and heads when phase 1 built them (its arms are not carried over)
+  if [ -f /tmp/tpbench1/state.json ]; then
+    cp -r /tmp/tpbench1/target /tmp/tpbench1/head-* /tmp/tpbench2/
+    python -c "import json; s = json.load(open('/tmp/tpbench1/state.json')); json.dump({'build': s['build']}, open('/tmp/tpbench2/state.json', 'w'))"
+  fi
+  bench /tmp/tpbench2 2 31178 > $TP/bench-tp2.log 2>&1; say "bench TP=2 rc \$?"
+  grep -h "^\[bench\]" $TP/bench-tp2.log >> $TP/progress.log || true
+fi
 cp /tmp/tpbench1/benchmarks.md $TP/bench-tp1.md 2>/dev/null; cp /tmp/tpbench2/benchmarks.md $TP/bench-tp2.md 2>/dev/null
 say DONE
-EOF
+JOB
 setsid nohup bash $TP/job.sh > $TP/job.log 2>&1 < /dev/null &
 sleep 5
 watch "${1:-540}"

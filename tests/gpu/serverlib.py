@@ -10,10 +10,22 @@ import sys
 import time
 import urllib.request
 
-PORT = int(os.environ.get("GPU_CHECK_PORT", "30177"))
 BASE_ARGS = ["--attention-backend", "triton", "--mem-fraction-static", "0.3", "--max-running-requests", "32",
              "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32", "--disable-prefill-cuda-graph",
-             "--host", "127.0.0.1", "--port", str(PORT), "--log-level", "info"]
+             "--host", "127.0.0.1", "--log-level", "info"]
+
+
+def port() -> int:
+    """Read per server, not at import: one process may start servers for several callers (GPU_CHECK_PORT)."""
+    return int(os.environ.get("GPU_CHECK_PORT", "30177"))
+
+
+def tp_args(tp: int) -> list[str]:
+    """--tp-size, and at TP > 1 FlashInfer's all-reduce fusion off: on the lent nvidia-h200-x2 (a Firecracker VM,
+    NVLink multicast disabled) SGLang 0.5.17 auto-enables it for DeepseekV3 targets and then hangs for good after
+    setting up its TRTLLM workspace (SymmDeviceMemory), with or without --disable-custom-all-reduce (session 6,
+    docs/validation.md). With the fusion off TP=2 serves."""
+    return ["--tp-size", str(tp)] + (["--enforce-disable-flashinfer-allreduce-fusion"] if tp > 1 else [])
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -35,10 +47,11 @@ class Server:
     def __init__(self, name: str, args: list[str], env: dict | None = None, log_dir: str = "/tmp/gpu-logs"):
         os.makedirs(log_dir, exist_ok=True)
         self.name, self.log_path = name, os.path.join(log_dir, f"{name}.log")
-        self.url = f"http://127.0.0.1:{PORT}"
+        self.url = f"http://127.0.0.1:{port()}"
         full_env = dict(os.environ, **(env or {}))
         self.t0 = time.time()
-        self.proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *BASE_ARGS, *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *BASE_ARGS,
+                                      "--port", str(port()), *args],
                                      stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)
 
