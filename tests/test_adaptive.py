@@ -43,16 +43,19 @@ def test_zero_acceptance_stops_drafting_and_says_why():
     assert "k=3: 13.00" in switch.reason  # measured step time, not a constant
 
 
-def test_probes_while_off_and_recovers_when_acceptance_returns():
-    pol = CostModelPolicy([0, 1, 3], initial=3, probe_every=50, probe_len=8)
+def test_probes_while_off_backs_off_and_recovers_when_acceptance_returns():
+    pol = CostModelPolicy([0, 1, 3], initial=3, probe_every=50, probe_len=8, max_probe_every=400)
     drive(pol, 40, p=0.0)
     assert pol.depth == 0
-    trace = drive(pol, 200, p=0.0, seed=1)  # probes find nothing: back to 0 each time
-    probes = [d for _, d in trace if d.changed and d.reason.startswith("depth 0 -> 1: probe")]
-    assert len(probes) >= 3 and pol.depth in (0, 1)
-    assert sum(k > 0 for k, _ in trace) <= len(probes) * 9  # speculation ran only while probing
-    drive(pol, 300, p=0.9, seed=2)  # acceptance recovered: the next probe climbs back
-    assert pol.depth == 3
+    trace = drive(pol, 1200, p=0.0, seed=1)  # probes find nothing: back to 0 each time, probing less often
+    starts = [i for i, (_, d) in enumerate(trace) if d.changed and d.reason.startswith("depth 0 -> 1: probe")]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[:3] == [100 + 8, 200 + 8, 400 + 8] and all(g == 400 + 8 for g in gaps[3:])  # doubled, then capped
+    back = [d.reason for _, d in trace if d.changed and "depth 1 -> 0" in d.reason]
+    assert back[0].endswith("next probe in 100 steps") and back[-1].endswith("next probe in 400 steps")
+    assert sum(k > 0 for k, _ in trace) == len(starts) * 8  # speculation ran only while probing
+    drive(pol, 500, p=0.9, seed=2)  # acceptance recovered: the next probe climbs back, and probing resets
+    assert pol.depth == 3 and pol.probe_interval == 50
 
 
 def test_large_batch_cost_turns_speculation_off_at_moderate_acceptance():

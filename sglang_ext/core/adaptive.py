@@ -11,8 +11,10 @@ window of steps; positions deeper than the window measured are extrapolated with
 conditional rate. t(k) is an EMA of measured step times where k ran; other depths are read off a
 line t(k) = t0 + k * d fitted to the measured depths (until two depths were measured, a draft step is
 assumed to cost `prior_draft_cost` of a step at k = 0: the only constant, and only until measured).
-At k = 0 no acceptance can be measured, so the policy probes the smallest positive depth every
-`probe_every` steps. A switch needs a predicted gain above `min_gain`; every switch states why.
+At k = 0 no acceptance can be measured, so the policy probes the smallest positive depth after
+`probe_every` steps there; each probe that finds speculation still not paying doubles that interval, up to
+`max_probe_every` (a draft that never pays then costs probe_len / max_probe_every of the steps, 0.4% by
+default, instead of 6%), and a probe that pays resets it. A switch needs a predicted gain above `min_gain`; every switch states why.
 Pure Python: the SGLang adapter feeds it, the CPU tests drive it with synthetic traces.
 """
 
@@ -32,7 +34,7 @@ class Decision:
 class CostModelPolicy:
     def __init__(self, candidates, initial: int, window: int = 64, ema: float = 0.2, warmup: int = 8,
                  decide_every: int = 8, probe_every: int = 256, probe_len: int = 16, min_gain: float = 0.03,
-                 prior_draft_cost: float = 0.15):
+                 prior_draft_cost: float = 0.15, max_probe_every: int = 4096):
         self.candidates = sorted(set(int(c) for c in candidates))
         if not self.candidates:
             raise ValueError("candidates must not be empty")
@@ -41,6 +43,8 @@ class CostModelPolicy:
         self.times: dict[int, float] = {}
         self.ema, self.warmup, self.decide_every = ema, warmup, decide_every
         self.probe_every, self.probe_len, self.min_gain = probe_every, probe_len, min_gain
+        self.max_probe_every = max(max_probe_every, probe_every)
+        self.probe_interval = probe_every  # steps at depth 0 before the next probe (backs off, see above)
         self.prior_draft_cost = prior_draft_cost
         self._steps = 0
         self._since_decision = 0
@@ -63,10 +67,18 @@ class CostModelPolicy:
             self._probing -= 1
             if self._probing:
                 return Decision(self.depth, False, "probing")
-            return self._decide(force=True)
+            decision = self._decide(force=True)
+            if self.depth == 0:  # the probe found speculation still not paying: probe less often
+                self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)
+                note = f"; next probe in {self.probe_interval} steps"
+                self.last_reason += note
+                decision = Decision(decision.depth, decision.changed, decision.reason + note)
+            else:
+                self.probe_interval = self.probe_every
+            return decision
         if self.depth == 0:
             self._at_zero += 1
-            if self._at_zero >= self.probe_every:
+            if self._at_zero >= self.probe_interval:
                 return self._probe()
         if self._steps <= self.warmup or self._since_decision < self.decide_every:
             return Decision(self.depth, False, "waiting")

@@ -123,7 +123,8 @@ def _summary(slot, policy: CostModelPolicy, depth: int, batch: int) -> str | Non
     steps = ", ".join(f"depth {k}: {n}" for k, n in sorted(acc["steps"].items()))
     times = ", ".join(f"depth {k}: {1e3 * t:.2f} ms" for k, t in sorted(policy.times.items()))
     text = (f"last {now - acc['since']:.0f}s, batch {acc['bs'][0]}-{acc['bs'][1]}: steps [{steps}]; "
-            f"measured step time [{times}]; now depth {policy.depth}")
+            f"measured step time [{times}]; now depth {policy.depth}"
+            + (f", next probe after {policy.probe_interval} steps at depth 0" if policy.depth == 0 else ""))
     slot._sglang_ext_summary = {"since": now, "steps": {}, "bs": [batch, batch]}
     return text
 
