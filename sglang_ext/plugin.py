@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_ext.serving import acceptance, adaptive, aux_capture, kv_pools, mla_verify, registry
+    from sglang_ext.serving import acceptance, adaptive, aux_capture, feature_capture, kv_pools, mla_verify, registry
 
     for target, family in aux_capture.HOOK_TARGETS.items():
         HookRegistry.register(target, aux_capture.make_hook(family), HookType.AROUND)
@@ -28,6 +28,8 @@ def register() -> None:
                    (adaptive.AFTER_HOOKS, HookType.AFTER)]
     if mla_verify.requested():  # MLA chain verify as decode attention, unless SGLANG_EXT_MLA_VERIFY=extend
         groups += [(mla_verify.AFTER_HOOKS, HookType.AFTER), (mla_verify.AROUND_HOOKS, HookType.AROUND)]
+    if feature_capture.directory():  # a feature server for draft training (training.features)
+        groups += [(feature_capture.AFTER_HOOKS, HookType.AFTER)]
     for hooks, kind in groups:
         for target, fn in hooks.items():
             HookRegistry.register(target, fn, kind)

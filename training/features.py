@@ -3,15 +3,23 @@ at the convention's layers and the target's final (normed) hidden state, from wh
 logits over the draft vocabulary are recomputed with its lm_head (storing full-vocab logits would
 cost vocab/hidden times more).
 
+Two extractors give the same records: `FeatureExtractor` runs the target in this process (transformers);
+`ServerFeatureExtractor` asks an SGLang server of the target, started with the plugin as a feature server
+(sglang_ext/serving/feature_capture.py: tensor parallel, any size SGLang serves), which writes each
+request's hidden states to a directory both can reach.
+
 Offline: sharded safetensors under a directory with `manifest.json`; an interrupted capture resumes
 at the first missing shard. Online: the same records computed in memory as training asks for them.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
+import shutil
+import uuid
 from typing import Iterator
 
 import torch
@@ -96,6 +104,80 @@ class FeatureExtractor:
 
     def close(self):
         self.capture.remove()
+
+
+def read_request(root: str, rid: str, input_ids: list[int], keep: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux, last_hidden) of one request from the feature server's chunk files (one per prefill chunk),
+    checked to cover every token in order and to hold the ids sent; the files are removed unless `keep`."""
+    from sglang_ext.serving.feature_capture import request_dir
+
+    where = request_dir(root, rid)
+    names = sorted(f for f in os.listdir(where) if f.endswith(".safetensors")) if os.path.isdir(where) else []
+    aux, last, at = [], [], 0
+    for name in names:
+        start = int(name.split(".")[0])
+        if start != at:
+            break
+        t = load_file(os.path.join(where, name))
+        aux.append(t["aux"])
+        last.append(t["last_hidden"])
+        if t["input_ids"].tolist() != input_ids[at: at + len(t["input_ids"])]:
+            raise RuntimeError(f"feature server: request {rid} holds other tokens at {at} than were sent")
+        at += len(t["input_ids"])
+    if at != len(input_ids):
+        raise RuntimeError(
+            f"feature server: request {rid} has hidden states for tokens [0, {at}) of {len(input_ids)} in {where} "
+            f"(chunks {names}); is the server started with SGLANG_EXT_FEATURE_DIR={root} and --disable-radix-cache, "
+            "and is that directory the same one on both sides?")
+    if not keep:
+        shutil.rmtree(where, ignore_errors=True)
+    return torch.cat(aux), torch.cat(last)
+
+
+class ServerFeatureExtractor:
+    """`FeatureExtractor`'s records from an SGLang feature server: each conversation is sent once as
+    input_ids (one token generated), the server writes its prompt's hidden states under `feature_dir`."""
+
+    def __init__(self, base_url: str, tokenizer, feature_dir: str, max_tokens: int = 2048, reasoning: str = "drop",
+                 dtype=torch.bfloat16, concurrency: int = 16, retries: int = 3, timeout: float = 600,
+                 aux_width: int | None = None):
+        from sglang_ext.http_client import post_json
+
+        self.url = base_url.rstrip("/") + "/generate"
+        self.tok, self.feature_dir = tokenizer, feature_dir
+        self.max_tokens, self.reasoning, self.dtype = max_tokens, reasoning, dtype
+        self.concurrency, self._post = concurrency, lambda payload: post_json(self.url, payload, retries, timeout)
+        self.aux_width = aux_width  # layers x hidden the trainer expects
+
+    def __call__(self, conv: Conversation) -> Features | None:
+        return self.many([conv])[0]
+
+    def _one(self, r) -> Features:
+        from sglang_ext.serving.feature_capture import RID_PREFIX
+
+        rid = RID_PREFIX + uuid.uuid4().hex
+        self._post({"input_ids": list(r.input_ids), "rid": rid,
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        aux, last = read_request(self.feature_dir, rid, list(r.input_ids))
+        if self.aux_width is not None and aux.shape[1] != self.aux_width:
+            raise RuntimeError(
+                f"feature server: aux width {aux.shape[1]} = {aux.shape[1] // last.shape[1]} layers x {last.shape[1]}, "
+                f"the trainer expects {self.aux_width}; give the server SGLANG_EXT_EAGLE3_AUX_LAYERS with the "
+                "trainer's --aux-layers (its startup log names the layers it captures)")
+        return Features(torch.tensor(r.input_ids), torch.tensor(r.loss_mask, dtype=torch.uint8), aux.to(self.dtype),
+                        last.to(self.dtype))
+
+    def many(self, convs: list[Conversation], batch_tokens: int | None = None) -> list[Features | None]:
+        rendered = [render(self.tok, c.messages, self.reasoning, self.max_tokens) for c in convs]
+        todo = [i for i, r in enumerate(rendered) if sum(r.loss_mask) and len(r.input_ids) >= 4]
+        out: list[Features | None] = [None] * len(convs)
+        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
+            for i, f in zip(todo, pool.map(lambda i: self._one(rendered[i]), todo)):
+                out[i] = f
+        return out
+
+    def close(self):
+        pass
 
 
 def _pack(records: list[Features]) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ from sglang_ext.core.heads import Eagle3Head, head_config_for
 from sglang_ext.core.targets import load_target, load_tokenizer
 from training import data as data_mod
 from training.chat import prompt_ids, require_chat_template
-from training.features import FeatureExtractor, online, read_shards, write_shards
+from training.features import FeatureExtractor, ServerFeatureExtractor, online, read_shards, write_shards
 from training.regenerate import GenerationOptions, LocalRegenerator, ServerRegenerator
 from training.trainer import (
     TrainConfig,
@@ -73,6 +73,10 @@ def parse_args(argv=None):
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--reasoning", choices=["drop", "keep"], default="drop")
     ap.add_argument("--features", choices=["offline", "online"], default="offline")
+    ap.add_argument("--features-server", metavar="URL",
+                    help="capture features through an SGLang feature server of the target (started with the plugin, "
+                         "SGLANG_EXT_FEATURE_DIR and --disable-radix-cache; docs/design.md); default in-process")
+    ap.add_argument("--features-dir", help="the server's SGLANG_EXT_FEATURE_DIR, as this process sees it")
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="draft vocabulary (most frequent assistant tokens); default 32000, 4096 on the CPU")
@@ -119,6 +123,9 @@ def parse_args(argv=None):
         args.draft_vocab_size = 4096 if cpu else 32000
     if not args.data:
         args.data = ["sharegpt:pkg:60", f"gsm8k:{default_gsm8k('train')}:240"]
+    if args.features_server and not args.features_dir:
+        ap.error("--features-server needs --features-dir: the directory the server writes to "
+                 "(its SGLANG_EXT_FEATURE_DIR), as this process sees it")
     return args
 
 
@@ -243,8 +250,14 @@ def prepare_features(args, tok, target, aux_ids, device, feat_dir):
     # 3. target features (aux states at the convention's layers, final hidden, loss mask)
     held = max(1, len(convs) // 20)
     train_convs, held_convs = convs[held:], convs[:held]
-    extractor = FeatureExtractor(target, tok, aux_ids, max_tokens=args.max_tokens, reasoning=args.reasoning,
-                                 dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    feature_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.features_server:  # the target's own SGLang server (tensor parallel) computes them
+        extractor = ServerFeatureExtractor(args.features_server, tok, args.features_dir, max_tokens=args.max_tokens,
+                                           reasoning=args.reasoning, dtype=feature_dtype,
+                                           aux_width=len(aux_ids) * text_config_of(target).hidden_size)
+    else:
+        extractor = FeatureExtractor(target, tok, aux_ids, max_tokens=args.max_tokens, reasoning=args.reasoning,
+                                     dtype=feature_dtype)
     t = time.time()
     if args.features == "offline":
         write_shards(extractor, convs, feat_dir, meta={"target": args.target, "aux_output_ids": aux_ids})

@@ -34,6 +34,7 @@ from sglang_ext.conventions import (
 )
 
 from sglang_ext.draft_schema import draft_kv_dtype_option, pair_errors, triton_pair_errors
+from sglang_ext.serving import feature_capture
 from sglang_ext.serving.context import decode_backends, draft_dir, server_args, server_draft_path
 
 logger = logging.getLogger(__name__)
@@ -87,11 +88,13 @@ def _apply_plan(model, plan: AuxLayerPlan, num_layers: int, family: str) -> None
     inner.layers_to_capture = [k for k in indices if k < num_layers]
     capture_final = num_layers in indices
     dump_dir = os.environ.get(DUMP_DIR_ENV)
-    if capture_final or dump_dir:
-        _wrap_forward(inner, capture_final, dump_dir, family)
+    feature_dir = feature_capture.directory()
+    if capture_final or dump_dir or feature_dir:
+        _wrap_forward(inner, capture_final, dump_dir, family, feature_dir)
 
 
-def _wrap_forward(inner, capture_final: bool, dump_dir: str | None, family: str) -> None:
+def _wrap_forward(inner, capture_final: bool, dump_dir: str | None, family: str,
+                  feature_dir: str | None = None) -> None:
     """Instance-level forward wrapper (zero cost for models that need neither feature)."""
     stash: dict[str, torch.Tensor] = {}
 
@@ -120,6 +123,8 @@ def _wrap_forward(inner, capture_final: bool, dump_dir: str | None, family: str)
             else:
                 aux = list(aux) + [final]
             out = (hidden, aux)
+        if feature_dir and isinstance(out, tuple):  # the inner model's output is the final norm's
+            feature_capture.write_batch(feature_dir, forward_batch, input_ids, out[1], out[0])
         if dump_dir and dumped[0] < dump_max and isinstance(out, tuple):
             if _dump(dump_dir, dumped[0], input_ids, positions, forward_batch, out[1]):
                 dumped[0] += 1

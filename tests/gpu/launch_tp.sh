@@ -37,10 +37,10 @@ watch() {
 }
 if [ "$1" = "watch" ]; then watch "${2:-540}"; exit 0; fi
 
-ARMS=${TP_ARMS:-"target mha-chain mla-tree mla-chain mha-tree"}
-DET_ARMS=${DET_ARMS:-"target-deterministic mha-chain-verify-decode-deterministic mla-tree-verify-decode-deterministic \
-mla-chain-verify-decode-deterministic mha-tree-verify-decode-deterministic mha-chain-fp8-verify-decode-deterministic \
-mha-chain-no-overlap-verify-decode-deterministic mha-chain-deterministic"}
+ARMS=${TP_ARMS:-"target mha-chain mla-chain mla-tree mha-tree mha-chain-fp8"}
+# session 6 ran the five drafting shapes in deterministic mode (all 200/200 identical); what it did not reach:
+DET_ARMS=${DET_ARMS:-"target-deterministic mha-chain-no-overlap-verify-decode-deterministic mha-chain-deterministic \
+mla-chain-deterministic mha-chain-sampled mla-tree-sampled mha-tree-verify-decode-deterministic"}
 PHASE1_GPU1=${PHASE1_GPU1:-deterministic}
 BENCH_ARMS=${TP_BENCH_ARMS-"plugin-chain-verify-decode plugin-mla-chain plugin-tree"}
 LEVELS=${TP_LEVELS:-"1,8,32"}
@@ -60,12 +60,15 @@ check() {  # WORK TP DEADLINE RESTORE ARM... (each check builds the same tiny ta
     GPU_CHECK_DEADLINE=\$deadline OUT=\$work/out python tests/gpu/check_serving.py "\$@"
 }
 mkdir -p /tmp/tp1/out /tmp/tp2/out /tmp/det1/out
+# the restored heads and prompts only: an earlier run's results must not read as this run's
+rm -rf /tmp/tp-base && mkdir -p /tmp/tp-base && cp -r $PWD/.gpu-state/head-mha $PWD/.gpu-state/head-mla /tmp/tp-base/
+python -c "import json; s = json.load(open('$PWD/.gpu-state/state.json')); json.dump({'prompts': s['prompts']}, open('/tmp/tp-base/state.json', 'w'))"
 say "phase 1: TP=1 check_serving ($ARMS) on GPU 0; GPU 1: $PHASE1_GPU1"
-( CUDA_VISIBLE_DEVICES=0 check /tmp/tp1 1 $P1 $PWD/.gpu-state $ARMS > $TP/check-tp1.log 2>&1; say "check TP=1 rc \$?" ) &
+( CUDA_VISIBLE_DEVICES=0 check /tmp/tp1 1 $P1 /tmp/tp-base $ARMS > $TP/check-tp1.log 2>&1; say "check TP=1 rc \$?" ) &
 if [ "$PHASE1_GPU1" = bench ]; then
   ( CUDA_VISIBLE_DEVICES=1 bench /tmp/tpbench1 1 31177 > $TP/bench-tp1.log 2>&1; say "bench TP=1 rc \$?" ) &
 else
-  ( CUDA_VISIBLE_DEVICES=1 GPU_CHECK_PORT=30377 check /tmp/det1 1 $P1 $PWD/.gpu-state $DET_ARMS > $TP/check-det.log 2>&1
+  ( CUDA_VISIBLE_DEVICES=1 GPU_CHECK_PORT=30377 check /tmp/det1 1 $P1 /tmp/tp-base $DET_ARMS > $TP/check-det.log 2>&1
     say "deterministic suite rc \$?" ) &
 fi
 wait
