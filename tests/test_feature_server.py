@@ -74,18 +74,29 @@ def test_chunks_round_trip_and_refuse_gaps(pair, tmp_path):
 
 
 class StandIn(http.server.BaseHTTPRequestHandler):
-    target = root = None
+    """SGLang's /generate as a feature server answers it, and /v1/chat/completions (greedy) for regeneration."""
+    target = tok = root = None
     rids: list = []
     lock = threading.Lock()  # one forward at a time, as a server's batches are (hooks on one model)
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        assert self.path == "/generate" and body["sampling_params"]["max_new_tokens"] == 1
         with self.lock:
-            self.rids.append(body["rid"])
-            aux, last = target_features(self.target, body["input_ids"])
-            write_like_a_prefill(self.root, body["rid"], body["input_ids"], aux, last)
-        out = json.dumps({"text": "x", "meta_info": {}}).encode()
+            if self.path == "/v1/chat/completions":
+                from training.chat import prompt_ids
+
+                ids = torch.tensor([prompt_ids(self.tok, body["messages"])])
+                gen = self.target.generate(ids, max_new_tokens=body["max_tokens"], do_sample=False,
+                                           pad_token_id=self.tok.eos_token_id)
+                text = self.tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+                reply = {"choices": [{"message": {"content": text}}]}
+            else:
+                assert self.path == "/generate" and body["sampling_params"]["max_new_tokens"] == 1
+                self.rids.append(body["rid"])
+                aux, last = target_features(self.target, body["input_ids"])
+                write_like_a_prefill(self.root, body["rid"], body["input_ids"], aux, last)
+                reply = {"text": "x", "meta_info": {}}
+        out = json.dumps(reply).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(out)))
         self.end_headers()
@@ -97,7 +108,7 @@ class StandIn(http.server.BaseHTTPRequestHandler):
 
 def test_server_extractor_gives_the_in_process_records(pair, tmp_path):
     target, tok = pair
-    StandIn.target, StandIn.root, StandIn.rids = target, str(tmp_path), []
+    StandIn.target, StandIn.tok, StandIn.root, StandIn.rids = target, tok, str(tmp_path), []
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
@@ -157,3 +168,75 @@ def test_plugin_hooks_the_target_load_only_for_a_feature_server(tmp_path):
         env = dict(os.environ, SGLANG_EXT_FEATURE_DIR=value, SGLANG_PLUGINS="sglang_eagle3_mla")
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
         assert f"HOOKED {hooked}" in p.stdout, p.stderr[-2000:]
+
+
+def test_train_draft_with_only_the_target_weights_it_needs(tmp_path, capsys):
+    """A target too large for this process: its servers regenerate and capture, the trainer reads the embedding,
+    lm_head, final norm and one layer's attention from its safetensors, and exports a head."""
+    from safetensors.torch import load_file
+
+    from training.train_draft import main, parse_args
+
+    cfg = tiny.deepseek_v3_config(num_layers=8, moe_layers=1, hidden=64, heads=4, vocab=300, q_lora_rank=32,
+                                  kv_lora_rank=32, qk_nope=16, qk_rope=8, v_head=16, n_routed_experts=4)
+    full = tiny.build_target(cfg, seed=0)  # aux layers [1, 3, 4]; the head starts from layer 5 (dense)
+    tok = tiny.train_tokenizer(300)
+    target_dir = tiny.save_target(full, tok, str(tmp_path / "target"))
+    full = tiny.build_target(cfg, seed=0).to(torch.bfloat16).float()  # what the server computes from
+    with pytest.raises(SystemExit):
+        parse_args(["--target", target_dir, "--target-weights-only", "--features-server", "http://x:1",
+                    "--features-dir", "/x"])  # and regeneration?
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"count to {i}"},
+                                                     {"role": "assistant", "content": "x"}]}) + "\n"
+                            for i in range(12)))
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"question": "one plus one?", "answer": "#### 2"}) + "\n")
+    feats = tmp_path / "features"
+    feats.mkdir()
+    StandIn.target, StandIn.tok, StandIn.root, StandIn.rids = full, tok, str(feats), []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_port}"
+    try:
+        rc = main(["--target", target_dir, "--target-weights-only", "--regen-server", url, "--features-server", url,
+                   "--features-dir", str(feats), "--data", f"messages:{data}", "--draft-format", "mla",
+                   "--work", str(tmp_path / "work"), "--out", str(tmp_path / "head"), "--eval-data", str(gsm),
+                   "--eval-prompts", "1", "--max-new-tokens", "8", "--epochs", "1", "--draft-vocab-size", "128",
+                   "--ttt-steps", "2", "--aux-layers", "1,3,4", "--device", "cpu"])
+    finally:
+        srv.shutdown()
+    assert rc == 0 and len(StandIn.rids) == 12
+    report = json.load(open(tmp_path / "head" / "training_report.json"))
+    assert report["acceptance"]["trained"] is None and report["train_conversations"] > 0
+    out = capsys.readouterr().out
+    assert "target weights read: 15 tensors" in out  # embedding, lm_head, norm, layer 5's attention, MLP, norms
+    assert "self_attn, mlp, input_layernorm, hidden_norm, post_attention_layernorm initialised from target layer 5" in out
+    assert "fc.weight" in load_file(str(tmp_path / "head" / "model.safetensors"))
+
+
+def test_target_weights_are_the_checkpoints_and_the_rest_stays_on_meta(tmp_path):
+    from sglang_ext.core.targets import load_target, load_target_weights
+
+    cfg = tiny.deepseek_v3_config(num_layers=4, moe_layers=1, hidden=64, heads=4, vocab=300, q_lora_rank=32,
+                                  kv_lora_rank=32, qk_nope=16, qk_rope=8, v_head=16, n_routed_experts=4)
+    d = tiny.save_target(tiny.build_target(cfg, seed=0), tiny.train_tokenizer(300), str(tmp_path / "t"))
+    part, full = load_target_weights(d, layer=-1), load_target(d)
+    loaded = part._sglang_ext_weights_only
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+            "model.layers.3.self_attn.kv_b_proj.weight"} <= set(loaded)
+    assert not any(".mlp." in n for n in loaded)  # layer 3 is MoE: its experts are never read
+    for name in loaded:
+        assert torch.equal(part.get_parameter(name), full.get_parameter(name)), name
+    assert part.get_parameter("model.layers.0.self_attn.kv_b_proj.weight").is_meta
+
+
+def test_fp8_blocks_dequantize_as_deepseek_stores_them():
+    from sglang_ext.core.targets import dequantize_fp8_blocks
+
+    w = torch.randn(200, 300)
+    scale = torch.rand(2, 3) + 0.5  # one per 128 x 128 block (ragged at the edges)
+    blocks = scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    q = (w / blocks).to(torch.float8_e4m3fn)
+    back = dequantize_fp8_blocks(q, scale)
+    assert ((back - w).abs() <= 0.07 * w.abs() + 1e-2).all()  # e4m3: 3 mantissa bits

@@ -22,7 +22,7 @@ from sglang_ext.conventions import default_output_ids
 from sglang_ext.core.capture import text_config_of
 from sglang_ext.core.decoder import ReferenceDecoder
 from sglang_ext.core.heads import Eagle3Head, head_config_for
-from sglang_ext.core.targets import load_target, load_tokenizer
+from sglang_ext.core.targets import load_target, load_target_weights, load_tokenizer
 from training import data as data_mod
 from training.chat import prompt_ids, require_chat_template
 from training.features import FeatureExtractor, ServerFeatureExtractor, online, read_shards, write_shards
@@ -77,6 +77,10 @@ def parse_args(argv=None):
                     help="capture features through an SGLang feature server of the target (started with the plugin, "
                          "SGLANG_EXT_FEATURE_DIR and --disable-radix-cache; docs/design.md); default in-process")
     ap.add_argument("--features-dir", help="the server's SGLANG_EXT_FEATURE_DIR, as this process sees it")
+    ap.add_argument("--target-weights-only", action="store_true",
+                    help="read only the embedding, lm_head, final norm and the init layer from the target's "
+                         "safetensors (a target too large to load whole: Kimi-K2.5, DeepSeek-V3); needs "
+                         "--regen-server and --features-server; acceptance is then measured by serving the head")
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="draft vocabulary (most frequent assistant tokens); default 32000, 4096 on the CPU")
@@ -123,6 +127,9 @@ def parse_args(argv=None):
         args.draft_vocab_size = 4096 if cpu else 32000
     if not args.data:
         args.data = ["sharegpt:pkg:60", f"gsm8k:{default_gsm8k('train')}:240"]
+    if args.target_weights_only and not (args.regen_server and args.features_server):
+        ap.error("--target-weights-only needs --regen-server and --features-server: without the whole target in "
+                 "this process, its SGLang servers regenerate the data and compute the features")
     if args.features_server and not args.features_dir:
         ap.error("--features-server needs --features-dir: the directory the server writes to "
                  "(its SGLANG_EXT_FEATURE_DIR), as this process sees it")
@@ -135,7 +142,16 @@ def gsm8k_prompts(tok, path: str, n: int) -> list[list[int]]:
     return [prompt_ids(tok, c.messages[:1]) for c in convs]
 
 
-def acceptance_estimate(target, head, prompts, steps, max_new_tokens, eos) -> dict:
+def init_layer_index(init_layer: str, aux_ids: list[int], n_layers: int) -> int | None:
+    """--init-layer: auto = the target layer after the last aux layer; none = None; else that layer."""
+    if init_layer == "none":
+        return None
+    return min(aux_ids[-1] + 1, n_layers - 1) if init_layer == "auto" else int(init_layer)
+
+
+def acceptance_estimate(target, head, prompts, steps, max_new_tokens, eos) -> dict | None:
+    if getattr(target, "_sglang_ext_weights_only", None) is not None:
+        return None  # the reference decoder needs the whole target: serve the head and measure there
     dec = ReferenceDecoder(target, head, num_steps=steps, topk=1)
     stats = None
     for p in prompts:
@@ -198,7 +214,18 @@ def main(argv=None) -> int:
     tok = load_tokenizer(args.target)
     require_chat_template(tok)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = load_target(args.target, dtype=dtype, device=device)
+    if args.target_weights_only:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(args.target)
+        n_layers = (getattr(config, "text_config", None) or config).num_hidden_layers
+        ids = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else default_output_ids(n_layers)
+        target = load_target_weights(args.target, layer=init_layer_index(args.init_layer, ids, n_layers),
+                                     dtype=dtype, device=device)
+        print(f"[train-draft] target weights read: {len(target._sglang_ext_weights_only)} tensors "
+              "(embedding, lm_head, final norm, the init layer's attention / dense MLP / norms)")
+    else:
+        target = load_target(args.target, dtype=dtype, device=device)
     n_layers = text_config_of(target).num_hidden_layers
     aux_ids = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else default_output_ids(n_layers)
     feat_dir = os.path.join(args.work, "features")
@@ -286,7 +313,7 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
         head.set_vocab_mapping(hot)
     init_head_from_target(head, target)
     if args.init_layer != "none":
-        layer = min(aux_ids[-1] + 1, n_layers - 1) if args.init_layer == "auto" else int(args.init_layer)
+        layer = init_layer_index(args.init_layer, aux_ids, n_layers)
         parts = init_layer_from_target(head, target, layer)
         print(f"[train-draft] decoder layer: {', '.join(parts) if parts else 'nothing'} initialised from target "
               f"layer {layer}" + ("" if {"self_attn", "mlp"} <= set(parts) else "; the rest random (shapes differ)"))
@@ -333,9 +360,13 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
         json.dump(result, f, indent=1)
     print(f"[train-draft] exported {args.out} ({cfg.architecture}); held-out per-step accuracy "
           f"{[round(a, 3) for a in held_acc]}")
-    line = (f"[train-draft] acceptance on {len(prompts)} held-out GSM8K chat prompts (chain, {args.eval_steps} steps, "
-            f"greedy): accepted drafts per step {est['accepted_drafts_per_step']:.3f}, per position "
-            f"{[round(x, 3) for x in est['per_position_acceptance']]}")
+    if est is None:
+        line = ("[train-draft] no acceptance estimate (--target-weights-only: the reference decoder needs the whole "
+                "target); serve the head and run `python -m eval.gsm8k --base-url ...` for its acceptance")
+    else:
+        line = (f"[train-draft] acceptance on {len(prompts)} held-out GSM8K chat prompts (chain, {args.eval_steps} "
+                f"steps, greedy): accepted drafts per step {est['accepted_drafts_per_step']:.3f}, per position "
+                f"{[round(x, 3) for x in est['per_position_acceptance']]}")
     if untrained:
         line += f"; untrained head {untrained['accepted_drafts_per_step']:.3f}"
     print(line)

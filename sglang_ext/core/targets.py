@@ -47,3 +47,78 @@ def load_target(target: str, dtype=torch.float32, device: str | torch.device = "
     path, kw = resolve(target)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     return model.to(device).eval()
+
+
+# parts of a decoder layer a draft head can start from (trainer.init_layer_from_target): attention, a dense
+# MLP, norms -- never a MoE layer's experts (hundreds of GiB in a DeepSeek-V3 layer set, and no head has them)
+LAYER_PARTS = ("self_attn.", "mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.", "input_layernorm.",
+               "post_attention_layernorm.")
+FP8_BLOCK = 128
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """DeepSeek-V3's fp8 checkpoint format: weight [out, in] float8_e4m3, one scale per 128 x 128 block."""
+    out, inp = weight.shape
+    s = scale_inv.float().repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
+    return weight.float() * s
+
+
+def load_target_weights(target: str, layer: int | None = None, dtype=torch.float32,
+                        device: str | torch.device = "cpu"):
+    """The target's architecture with only what a draft head is trained from read from its safetensors: the
+    embedding, the lm_head (the embedding when tied), the final norm and, with `layer`, that decoder layer's
+    attention, dense MLP and norms (fp8 blocks dequantized). Everything else stays on the meta device, so a
+    forward fails loudly. For targets too large to load whole in one process (Kimi-K2.5, DeepSeek-V3), whose
+    regeneration and features come from their SGLang servers (train_draft --target-weights-only)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sglang_ext import checkpoint
+    from sglang_ext.conventions import ConfigError
+
+    path, kw = resolve(target)
+    if kw:
+        raise ConfigError("--target", target, "a GGUF target has no safetensors to read weights from",
+                          "load it whole (drop --target-weights-only)")
+    config = AutoConfig.from_pretrained(path)
+    text = getattr(config, "text_config", None) or config  # a VL wrapper's language model (Kimi-K2.5)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(text, dtype=dtype)
+    where = {}
+    for f in checkpoint.safetensors_files(path):
+        for name in checkpoint.read_safetensors_header(f):
+            where[name] = f
+    embed = next((n for n in where if n.endswith("model.embed_tokens.weight")), None)
+    if embed is None:
+        raise ConfigError("--target", target, "no '...model.embed_tokens.weight' in its safetensors",
+                          "point --target at a DeepseekV3 / Llama-family checkpoint directory")
+    prefix = embed[: -len("model.embed_tokens.weight")]  # e.g. 'language_model.'
+    wanted = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+    if layer is not None:
+        head = f"model.layers.{layer % text.num_hidden_layers}."
+        wanted += [n for n, _ in model.named_parameters() if n.startswith(head) and n[len(head):].startswith(LAYER_PARTS)]
+    loaded = []
+    for name in wanted:
+        src = prefix + name
+        if src not in where:
+            continue
+        with safe_open(where[src], "pt") as f:
+            t = f.get_tensor(src)
+        scale = src + "_scale_inv"
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            if scale not in where:
+                raise ConfigError(src, str(t.dtype), "an fp8 weight without its block scales (weight_scale_inv)",
+                                  "use --init-layer none, or a bf16 checkpoint")
+            with safe_open(where[scale], "pt") as f:
+                t = dequantize_fp8_blocks(t, f.get_tensor(scale))
+        elif not t.is_floating_point():
+            raise ConfigError(src, str(t.dtype), "a quantized weight this loader cannot read",
+                              "use --init-layer none")
+        module, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module), leaf,
+                torch.nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
+        loaded.append(name)
+    if "lm_head.weight" not in loaded:  # tied (or absent): the embedding, as transformers ties it
+        model.lm_head.weight = model.get_input_embeddings().weight
+    model._sglang_ext_weights_only = loaded
+    return model.eval()

@@ -7,7 +7,8 @@
 #            or the Kimi-shaped benchmark arms at TP=1 (PHASE1_GPU1=bench);
 #   phase 2, both GPUs: the check_serving arms TP=1 finished, at TP=2 (same target, heads, prompts), then
 #            tests/gpu/compare_tp.py (TP=2 vs TP=1: partings scored by TP=1's gaps, acceptance, per-position
-#            counts, views, invariant), then the benchmark arms at TP=2 (TP_BENCH_ARMS; empty: none).
+#            counts, views, invariant), the feature server at TP=2 against transformers
+#            (check_feature_server.py), then the benchmark arms at TP=2 (TP_BENCH_ARMS; empty: none).
 #     bash tests/gpu/launch_tp.sh [WATCH_SECONDS]      # later calls: bash tests/gpu/launch_tp.sh watch SECONDS
 # Env: TP_ARMS (check_serving arms), DET_ARMS (the deterministic suite), TP_BENCH_ARMS (spec_bench arms),
 # TP_LEVELS (concurrency levels), PHASE1_DEADLINE_S / PHASE2_DEADLINE_S (no new check arm after that many
@@ -26,7 +27,7 @@ watch() {
   cat $TP/progress.log
   if [ -n "$OUT" ]; then
     mkdir -p "$OUT/tp"
-    for f in $TP/progress.log $TP/compare.txt $TP/*.md /tmp/tp1.json /tmp/tp2/state.json /tmp/det1/state.json \
+    for f in $TP/progress.log $TP/compare.txt $TP/feature_server.json $TP/*.md /tmp/tp1.json /tmp/tp2/state.json /tmp/det1/state.json \
              /tmp/tpbench1/state.json /tmp/tpbench2/state.json; do
       [ -f "$f" ] && cp "$f" "$OUT/tp/$(echo "$f" | tr / _ | sed 's/^_//')"
     done
@@ -85,6 +86,9 @@ GPU_CHECK_PORT=30477 check /tmp/tp2 2 $P2 /tmp/tp1-restore \$DONE_ARMS > $TP/che
 sed -n '/^arm  /,\$p' $TP/check-tp2.log >> $TP/progress.log || true
 python tests/gpu/compare_tp.py /tmp/tp1.json /tmp/tp2/state.json > $TP/compare.txt 2>&1; say "compare rc \$?"
 cat $TP/compare.txt >> $TP/progress.log
+# draft-training features from an SGLang feature server at TP=2 vs transformers in-process (the trainer issue)
+OUT=$TP python tests/gpu/check_feature_server.py /tmp/tp1/target --tp 2 > $TP/feature-server.log 2>&1
+say "feature server TP=2 rc \$?"; tail -c 1500 $TP/feature-server.log >> $TP/progress.log
 if [ -n "$BENCH_ARMS" ]; then
   mkdir -p /tmp/tpbench2   # TP=1's target and heads when phase 1 built them (its arms are not carried over)
   if [ -f /tmp/tpbench1/state.json ]; then
