@@ -82,3 +82,23 @@ def test_estimates():
     assert abs(pol.step_time(0) - 0.013 / 1.45) < 1e-12  # one measured depth: the prior ratio, until measured
     pol.observe(0, [], 0.010)
     assert pol.step_time(0) == 0.010 and abs(pol.step_time(5) - 0.015) < 1e-12  # the line through k=0 and k=3
+
+
+def test_a_new_batch_size_stops_at_once_when_the_shared_window_accepts_nothing():
+    import collections
+
+    shared = collections.deque(maxlen=64)
+    small = CostModelPolicy([0, 1, 3], initial=3, window=shared)
+    drive(small, 40, p=0.0, batch=8)  # batch 8 warms up at depth 3, then stops drafting
+    assert small.depth == 0
+    big = CostModelPolicy([0, 1, 3], initial=3, window=shared)  # batch 64, first step
+    d = big.observe(3, [0] * 64, None)  # not even a step time yet
+    assert d.changed and big.depth == 0 and "no draft accepted in the last 64 request-steps" in d.reason
+    # with its own window it would have waited out its warm-up at full depth
+    alone = CostModelPolicy([0, 1, 3], initial=3)
+    assert not alone.observe(3, [0] * 8, None).changed and alone.depth == 3
+    # a shared window that saw acceptance does not stop a new batch size
+    shared2 = collections.deque(maxlen=64)
+    drive(CostModelPolicy([0, 1, 3], initial=3, window=shared2), 40, p=0.8)
+    fresh = CostModelPolicy([0, 1, 3], initial=3, window=shared2)
+    assert not fresh.observe(3, [2] * 8, step_ms(3)).changed and fresh.depth == 3

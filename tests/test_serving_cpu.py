@@ -185,6 +185,10 @@ ADAPTIVE = """
     adaptive.SUMMARY_EVERY_S = 0.0  # the periodic summary line, now
     params.on_verify_complete([0] * 8, batch_size=8)
     out["summary"] = [x for x in logged if "summary" in x]
+    adaptive.CLOCK.depth, adaptive.CLOCK.seconds = 3, None  # batch 1's first verify step, at depth 3
+    params.on_verify_complete([0], batch_size=1)
+    out["batch_1_after_one_step"] = params.get_steps_for_batch(1)
+    out["switch_lines"] = [x for x in logged if "request-steps" in x]
     print("RESULT" + json.dumps(out))
 """
 
@@ -198,5 +202,7 @@ def test_adaptive_cost_policy_inside_sglangs_adaptive_controller():
     assert "batch 8-8" in line and "depth 0: 10.00 ms" in line and "depth 3: 13.00 ms" in line
     steps = dict(re.findall(r"depth (\d): (\d+)", line.split("steps [")[1].split("]")[0]))
     assert int(steps["0"]) > int(steps["3"]) > 0 and "now depth 0, next probe after 256 steps at depth 0" in line
+    # batch 1, reached after acceptance collapsed at batch 8, stops at its first step (shared acceptance window)
+    assert r["batch_1_after_one_step"] == 0 and "no draft accepted in the last 64 request-steps" in r["switch_lines"][0]
     r = _result(run_py(ADAPTIVE, SGLANG_PLUGINS="sglang_eagle3_mla"))  # without the variable: upstream's policy
     assert r["candidates"] == [0, 1, 3, 7]

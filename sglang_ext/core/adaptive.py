@@ -14,7 +14,9 @@ assumed to cost `prior_draft_cost` of a step at k = 0: the only constant, and on
 At k = 0 no acceptance can be measured, so the policy probes the smallest positive depth after
 `probe_every` steps there; each probe that finds speculation still not paying doubles that interval, up to
 `max_probe_every` (a draft that never pays then costs probe_len / max_probe_every of the steps, 0.4% by
-default, instead of 6%), and a probe that pays resets it. A switch needs a predicted gain above `min_gain`; every switch states why.
+default, instead of 6%), and a probe that pays resets it. Policies of several batch sizes may share one
+acceptance window (`window=` a deque): a batch size seen for the first time then stops drafting at its
+first step when nothing was accepted in the shared window, without its own warm-up at full depth. A switch needs a predicted gain above `min_gain`; every switch states why.
 Pure Python: the SGLang adapter feeds it, the CPU tests drive it with synthetic traces.
 """
 
@@ -32,14 +34,17 @@ class Decision:
 
 
 class CostModelPolicy:
-    def __init__(self, candidates, initial: int, window: int = 64, ema: float = 0.2, warmup: int = 8,
-                 decide_every: int = 8, probe_every: int = 256, probe_len: int = 16, min_gain: float = 0.03,
-                 prior_draft_cost: float = 0.15, max_probe_every: int = 4096):
+    def __init__(self, candidates, initial: int, window: int | collections.deque = 64, ema: float = 0.2,
+                 warmup: int = 8, decide_every: int = 8, probe_every: int = 256, probe_len: int = 16,
+                 min_gain: float = 0.03, prior_draft_cost: float = 0.15, max_probe_every: int = 4096):
         self.candidates = sorted(set(int(c) for c in candidates))
         if not self.candidates:
             raise ValueError("candidates must not be empty")
         self.depth = initial if initial in self.candidates else self.candidates[len(self.candidates) // 2]
-        self.window: collections.deque = collections.deque(maxlen=window)  # (depth, accepted) per request-step
+        # (depth, accepted) per request-step; a deque passed in is shared with other policies (acceptance is a
+        # property of the draft and the traffic, not of the batch size; step times stay per policy)
+        self.window: collections.deque = window if isinstance(window, collections.deque) else \
+            collections.deque(maxlen=window)
         self.times: dict[int, float] = {}
         self.ema, self.warmup, self.decide_every = ema, warmup, decide_every
         self.probe_every, self.probe_len, self.min_gain = probe_every, probe_len, min_gain
@@ -80,9 +85,15 @@ class CostModelPolicy:
             self._at_zero += 1
             if self._at_zero >= self.probe_interval:
                 return self._probe()
+        if self.depth > 0 and self._steps <= self.warmup and self._never_accepts():
+            return self._decide()  # a shared window already says no draft is accepted: no need to wait
         if self._steps <= self.warmup or self._since_decision < self.decide_every:
             return Decision(self.depth, False, "waiting")
         return self._decide()
+
+    def _never_accepts(self) -> bool:
+        """A full window in which no draft was accepted at any depth."""
+        return len(self.window) == self.window.maxlen and not any(a for _, a in self.window)
 
     # ------------------------------------------------------------------------------- estimates
     def acceptance_at_depth(self) -> tuple[int, list[float]]:
@@ -136,6 +147,14 @@ class CostModelPolicy:
         scores = {k: self.goodput(k) for k in self.candidates}
         scores = {k: g for k, g in scores.items() if g is not None}
         current = scores.get(self.depth)
+        if (not scores or current is None) and 0 in self.candidates and self.depth != 0 and self._never_accepts():
+            # no step time measured yet, but none is needed: with nothing accepted, every positive depth costs
+            # more than depth 0 and yields the same one token per step
+            old = self.depth
+            self.depth, self._at_zero = 0, 0
+            self.last_reason = (f"depth {old} -> 0: no draft accepted in the last {len(self.window)} request-steps "
+                                "(acceptance window shared across batch sizes)")
+            return Decision(0, True, self.last_reason)
         if not scores or current is None:
             return Decision(self.depth, False, "no estimate yet")
         best = max(scores, key=lambda k: scores[k])

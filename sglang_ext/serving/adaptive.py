@@ -22,6 +22,7 @@ Extends (hooks registered by sglang_ext.plugin), SGLang 0.5.17:
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -74,6 +75,9 @@ class StepClock:
 
 
 CLOCK = StepClock()
+# one acceptance window for every batch-size slot (acceptance belongs to the draft and the traffic; step times
+# stay per slot): a slot first reached after acceptance collapsed stops drafting at its first step
+SHARED_WINDOW: collections.deque = collections.deque(maxlen=64)
 
 
 def resolve_spec_tokens_before(self, result, batch, *args, **kwargs):
@@ -92,7 +96,8 @@ def slot_update(original_fn, self, num_correct_drafts_per_req):
         return original_fn(self, num_correct_drafts_per_req)
     policy = getattr(self, "_sglang_ext_policy", None)
     if policy is None:
-        policy = self._sglang_ext_policy = CostModelPolicy(self.candidate_steps, self.current_steps)
+        policy = self._sglang_ext_policy = CostModelPolicy(self.candidate_steps, self.current_steps,
+                                                           window=SHARED_WINDOW)
     depth = CLOCK.depth if CLOCK.depth is not None else self.current_steps
     decision = policy.observe(depth, list(num_correct_drafts_per_req or []), CLOCK.seconds)
     summary = _summary(self, policy, depth, len(num_correct_drafts_per_req or []))
