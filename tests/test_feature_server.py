@@ -135,7 +135,12 @@ def test_feature_server_refuses_a_radix_cache_and_turns_capture_on():
     from sglang_ext.conventions import ConfigError
 
     calls = []
-    model = SimpleNamespace(capture_aux_hidden_states=False, set_eagle3_layers_to_capture=calls.append)
+
+    def set_layers(ids):  # what our aux_capture hook leaves on a DeepseekV3 / Llama target
+        calls.append(ids)
+        model._sglang_ext_aux_plan = "plan"
+
+    model = SimpleNamespace(capture_aux_hidden_states=False, set_eagle3_layers_to_capture=set_layers)
     runner = SimpleNamespace(is_draft_worker=False, model=model, server_args=SimpleNamespace(disable_radix_cache=False))
     with pytest.raises(ConfigError) as e:
         FC.after_load_model(None, runner)
@@ -146,6 +151,9 @@ def test_feature_server_refuses_a_radix_cache_and_turns_capture_on():
     draft = SimpleNamespace(is_draft_worker=True, model=model, server_args=runner.server_args)
     FC.after_load_model(None, draft)
     assert calls == [None]  # the draft's runner is left alone
+    other = SimpleNamespace(capture_aux_hidden_states=False, set_eagle3_layers_to_capture=lambda ids: None)
+    with pytest.raises(ConfigError, match="not SimpleNamespace"):  # a family our capture does not cover
+        FC.after_load_model(None, SimpleNamespace(is_draft_worker=False, model=other, server_args=runner.server_args))
 
 
 def test_train_draft_needs_the_feature_dir_with_a_server():

@@ -100,6 +100,12 @@ def after_load_model(result, self, *args, **kwargs):
             raise ConfigError(DIR_ENV, directory(), f"{type(model).__name__} cannot capture aux hidden states in "
                               "SGLang 0.5.17", "capture features in-process (training.features.FeatureExtractor)")
         model.set_eagle3_layers_to_capture(None)  # our aux_capture hook: default ids or the override
+    language = getattr(model, "language_model", None)  # a VL wrapper (Kimi-K2.5) delegates to its text model
+    if getattr(model, "_sglang_ext_aux_plan", None) is None and getattr(language, "_sglang_ext_aux_plan", None) is None:
+        # upstream's capture alone writes nothing
+        raise ConfigError(DIR_ENV, directory(), f"the plugin captures features for DeepseekV2/V3, Kimi-K2.5 and Llama-"
+                          f"family targets, not {type(model).__name__}",
+                          "capture features in-process (training.features.FeatureExtractor)")
     logger.info("[sglang_ext] feature server: prefill chunks of requests named %s* are written to %s",
                 RID_PREFIX, directory())
     return result
