@@ -48,9 +48,10 @@ def write_like_a_prefill(root, rid, ids, aux, last):
     other = torch.randn(3, aux.shape[1]), torch.randn(3, last.shape[1])
     for start, end in ((0, k), (k, len(ids))):
         n = end - start
+        rows = torch.cat([other[0], aux[start:end]])
         written = FC.write_chunks(root, ["user-request", rid], [7, start], [3, n],
                                   torch.tensor([1, 2, 3] + ids[start:end]),
-                                  [torch.cat([other[0], aux[start:end]])[:, :64], torch.cat([other[0], aux[start:end]])[:, 64:]],
+                                  [rows[:, :64], rows[:, 64:]],  # as a list of per-layer states, as SGLang may hand it
                                   torch.cat([other[1], last[start:end]]))
         assert written == 1
 
@@ -219,7 +220,8 @@ def test_train_draft_with_only_the_target_weights_it_needs(tmp_path, capsys):
     assert report["acceptance"]["trained"] is None and report["train_conversations"] > 0
     out = capsys.readouterr().out
     assert "target weights read: 15 tensors" in out  # embedding, lm_head, norm, layer 5's attention, MLP, norms
-    assert "self_attn, mlp, input_layernorm, hidden_norm, post_attention_layernorm initialised from target layer 5" in out
+    assert ("self_attn, mlp, input_layernorm, hidden_norm, post_attention_layernorm initialised from target "
+            "layer 5") in out
     assert "fc.weight" in load_file(str(tmp_path / "head" / "model.safetensors"))
 
 
@@ -248,3 +250,42 @@ def test_fp8_blocks_dequantize_as_deepseek_stores_them():
     q = (w / blocks).to(torch.float8_e4m3fn)
     back = dequantize_fp8_blocks(q, scale)
     assert ((back - w).abs() <= 0.07 * w.abs() + 1e-2).all()  # e4m3: 3 mantissa bits
+
+
+def test_a_feature_server_serves_the_target_alone():
+    from types import SimpleNamespace
+
+    from sglang_ext.conventions import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        FC.check_server(SimpleNamespace(speculative_algorithm="EAGLE3", disable_radix_cache=True))
+    assert e.value.field == "--speculative-algorithm" and "without speculative decoding" in e.value.fix
+
+
+def test_the_forward_wrapper_writes_each_prefill_once_even_when_the_layers_are_set_again(tmp_path, monkeypatch):
+    """SGLang may set the capture layers more than once: the target's forward is wrapped once, not twice."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_ext.serving import aux_capture
+
+    class Inner(torch.nn.Module):
+        norm = torch.nn.Identity()
+
+        def forward(self, input_ids, positions, forward_batch):
+            h = torch.randn(len(input_ids), 8)
+            return h, [h + 1, h + 2]
+
+    written = []
+    monkeypatch.setattr(FC, "write_chunks", lambda *a: written.append(a[1]) or 1)
+    monkeypatch.setattr("sglang_ext.serving.acceptance.is_reporting_rank", lambda: True)
+    inner = Inner()
+    for _ in range(2):
+        aux_capture._wrap_forward(inner, False, None, "deepseek", str(tmp_path))
+    batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=[FC.RID_PREFIX + "x"], extend_prefix_lens_cpu=[0],
+                            extend_seq_lens_cpu=[5])
+    inner.forward(torch.arange(5), torch.arange(5), batch)
+    assert written == [[FC.RID_PREFIX + "x"]]
+    inner.forward(torch.arange(5), torch.arange(5), SimpleNamespace(forward_mode=ForwardMode.DECODE, rids=batch.rids))
+    assert len(written) == 1  # decode steps write nothing

@@ -16,7 +16,8 @@ At k = 0 no acceptance can be measured, so the policy probes the smallest positi
 `max_probe_every` (a draft that never pays then costs probe_len / max_probe_every of the steps, 0.4% by
 default, instead of 6%), and a probe that pays resets it. Policies of several batch sizes may share one
 acceptance window (`window=` a deque): a batch size seen for the first time then stops drafting at its
-first step when nothing was accepted in the shared window, without its own warm-up at full depth. A switch needs a predicted gain above `min_gain`; every switch states why.
+first step when nothing was accepted in the shared window, without its own warm-up at full depth. A
+switch needs a predicted gain above `min_gain`; every switch states why.
 Pure Python: the SGLang adapter feeds it, the CPU tests drive it with synthetic traces.
 """
 

@@ -96,7 +96,8 @@ def load_target_weights(target: str, layer: int | None = None, dtype=torch.float
     wanted = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
     if layer is not None:
         head = f"model.layers.{layer % text.num_hidden_layers}."
-        wanted += [n for n, _ in model.named_parameters() if n.startswith(head) and n[len(head):].startswith(LAYER_PARTS)]
+        wanted += [n for n, _ in model.named_parameters()
+                   if n.startswith(head) and n[len(head):].startswith(LAYER_PARTS)]
     loaded = []
     for name in wanted:
         src = prefix + name

@@ -40,7 +40,8 @@ def _configured_depth() -> int:
     return int(getattr(args, "speculative_num_steps", None) or 1) if args is not None else 1
 
 
-def _is_reporting_rank() -> bool:
+def is_reporting_rank() -> bool:
+    """Attention-TP rank 0 (and CP rank 0): the one rank that counts, logs and writes per-request data."""
     try:
         from sglang.srt.runtime_context import get_parallel
 
@@ -79,7 +80,7 @@ class Ledger:
             self.finished = self.finished.resized(depth).merge(req.resized(depth))
             self.requests += 1
             self.discarded_drafts += discarded
-        if _is_reporting_rank():
+        if is_reporting_rank():
             self._export(req, discarded)
 
     def to_dict(self) -> dict:

@@ -95,7 +95,13 @@ def _apply_plan(model, plan: AuxLayerPlan, num_layers: int, family: str) -> None
 
 def _wrap_forward(inner, capture_final: bool, dump_dir: str | None, family: str,
                   feature_dir: str | None = None) -> None:
-    """Instance-level forward wrapper (zero cost for models that need neither feature)."""
+    """Instance-level forward wrapper (zero cost for models that need neither feature); once per model, even
+    if SGLang sets the layers again."""
+    if getattr(inner, "_sglang_ext_wrapped", False):
+        inner.forward = inner._sglang_ext_original_forward
+        if getattr(inner, "_sglang_ext_norm_hook", None) is not None:
+            inner._sglang_ext_norm_hook.remove()
+            inner._sglang_ext_norm_hook = None
     stash: dict[str, torch.Tensor] = {}
 
     def keep_final(_module, args, output):
@@ -103,8 +109,9 @@ def _wrap_forward(inner, capture_final: bool, dump_dir: str | None, family: str,
         stash["final"] = output[1] if isinstance(output, tuple) else args[0]
 
     if capture_final:
-        inner.norm.register_forward_hook(keep_final)
+        inner._sglang_ext_norm_hook = inner.norm.register_forward_hook(keep_final)
     original = inner.forward
+    inner._sglang_ext_original_forward, inner._sglang_ext_wrapped = original, True
     dumped = [0]
     dump_max = int(os.environ.get(DUMP_MAX_ENV, "4"))
 

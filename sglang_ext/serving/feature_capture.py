@@ -71,12 +71,14 @@ def write_batch(root: str, forward_batch, input_ids: torch.Tensor, aux, last_hid
     """After a forward of the target model: prefill (extend) batches only, never while a CUDA graph is
     being captured (no real requests there)."""
     mode = getattr(forward_batch, "forward_mode", None)
-    if mode is None or not mode.is_extend() or last_hidden is None or torch.cuda.is_current_stream_capturing():
+    if mode is None or not mode.is_extend() or last_hidden is None:
+        return 0
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return 0
     rids = getattr(forward_batch, "rids", None) or []
-    from sglang_ext.serving.acceptance import _is_reporting_rank  # attention-TP rank 0: one writer
+    from sglang_ext.serving.acceptance import is_reporting_rank  # one writer
 
-    if not any(isinstance(r, str) and r.startswith(RID_PREFIX) for r in rids) or not _is_reporting_rank():
+    if not any(isinstance(r, str) and r.startswith(RID_PREFIX) for r in rids) or not is_reporting_rank():
         return 0
     return write_chunks(root, rids, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu,
                         input_ids, aux, last_hidden)
@@ -84,6 +86,10 @@ def write_batch(root: str, forward_batch, input_ids: torch.Tensor, aux, last_hid
 
 def check_server(args) -> None:
     """Refused at startup, with the fix."""
+    if args is not None and getattr(args, "speculative_algorithm", None):
+        raise ConfigError("--speculative-algorithm", args.speculative_algorithm,
+                          f"a feature server ({DIR_ENV}) serves the target alone: its aux layers are the convention's "
+                          "for training, not a draft's", "start it without speculative decoding")
     if args is not None and not getattr(args, "disable_radix_cache", False):
         raise ConfigError("--disable-radix-cache", False,
                           f"{DIR_ENV} writes every prompt token's hidden states, but a radix-cache hit skips the "
