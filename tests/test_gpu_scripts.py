@@ -12,7 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK = """
 import argparse, json, sys
 sys.path.insert(0, "tests/gpu")
-import check_scale_target, check_serving as CS, scale_pipeline as SP
+import check_scale_target, check_serving as CS, scale_pipeline as SP, serverlib
 from training.train_draft import parse_args
 from sglang.srt.server_args import ServerArgs
 
@@ -22,13 +22,13 @@ p = argparse.ArgumentParser()
 ServerArgs.add_cli_args(p)
 lines = {}
 for name in CS.ARMS:
-    a = p.parse_args(CS.BASE_ARGS + CS.arm_args(name))  # what Server launches
+    a = p.parse_args(serverlib.BASE_ARGS + CS.arm_args(name))  # what Server launches
     lines[name] = [a.speculative_algorithm, a.speculative_eagle_topk, a.disable_overlap_schedule, a.enable_fp32_lm_head,
                    a.max_running_requests, a.enable_deterministic_inference, a.attention_backend,
                    sorted(CS.ARMS[name][2].items()), a.enforce_disable_flashinfer_allreduce_fusion]
 import os
 os.environ["GPU_CHECK_TP"] = "2"
-a = p.parse_args(CS.BASE_ARGS + CS.arm_args("mla-tree"))
+a = p.parse_args(serverlib.BASE_ARGS + CS.arm_args("mla-tree"))
 tp2 = [a.tp_size, a.enforce_disable_flashinfer_allreduce_fusion]
 print(json.dumps({"train": [args.batch_tokens, args.profile_steps, args.max_train_minutes, args.ttt_steps,
                             args.draft_format], "arms": lines, "tp2": tp2}))

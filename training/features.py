@@ -54,6 +54,12 @@ def cut_by_length(ascending: list[int], length, budget: int) -> list[list[int]]:
     return out + ([cur] if cur else [])
 
 
+def rendered_trainable(tok, convs: list[Conversation], reasoning: str, max_tokens: int):
+    """(renderings, indices of those with something to train on): the one rule both extractors apply."""
+    rendered = [render(tok, c.messages, reasoning, max_tokens) for c in convs]
+    return rendered, [i for i, r in enumerate(rendered) if sum(r.loss_mask) and len(r.input_ids) >= 4]
+
+
 class FeatureExtractor:
     def __init__(self, target, tokenizer, aux_output_ids, max_tokens: int = 2048, reasoning: str = "drop",
                  dtype=torch.bfloat16):
@@ -80,10 +86,9 @@ class FeatureExtractor:
         batches of similar lengths: one target forward per batch, not per conversation (a GPU is
         launch-bound on one short sequence at a time)."""
         batch_tokens = self.batch_tokens if batch_tokens is None else batch_tokens
-        rendered = [render(self.tok, c.messages, self.reasoning, self.max_tokens) for c in convs]
+        rendered, trainable = rendered_trainable(self.tok, convs, self.reasoning, self.max_tokens)
         out: list[Features | None] = [None] * len(convs)
-        todo = sorted((i for i, r in enumerate(rendered) if sum(r.loss_mask) and len(r.input_ids) >= 4),
-                      key=lambda i: len(rendered[i].input_ids))
+        todo = sorted(trainable, key=lambda i: len(rendered[i].input_ids))
         batches = cut_by_length(todo, lambda i: len(rendered[i].input_ids), batch_tokens)
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.tok.eos_token_id or 0)
         for batch in batches:
@@ -168,8 +173,7 @@ class ServerFeatureExtractor:
                         last.to(self.dtype))
 
     def many(self, convs: list[Conversation], batch_tokens: int | None = None) -> list[Features | None]:
-        rendered = [render(self.tok, c.messages, self.reasoning, self.max_tokens) for c in convs]
-        todo = [i for i, r in enumerate(rendered) if sum(r.loss_mask) and len(r.input_ids) >= 4]
+        rendered, todo = rendered_trainable(self.tok, convs, self.reasoning, self.max_tokens)
         out: list[Features | None] = [None] * len(convs)
         with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
             for i, f in zip(todo, pool.map(lambda i: self._one(rendered[i]), todo)):

@@ -142,6 +142,11 @@ def gsm8k_prompts(tok, path: str, n: int) -> list[list[int]]:
     return [prompt_ids(tok, c.messages[:1]) for c in convs]
 
 
+def aux_layer_ids(args, n_layers: int) -> list[int]:
+    """--aux-layers, else the convention's default for the target's depth."""
+    return [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else default_output_ids(n_layers)
+
+
 def init_layer_index(init_layer: str, aux_ids: list[int], n_layers: int) -> int | None:
     """--init-layer: auto = the target layer after the last aux layer; none = None; else that layer."""
     if init_layer == "none":
@@ -219,15 +224,14 @@ def main(argv=None) -> int:
 
         config = AutoConfig.from_pretrained(args.target)
         n_layers = (getattr(config, "text_config", None) or config).num_hidden_layers
-        ids = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else default_output_ids(n_layers)
-        target = load_target_weights(args.target, layer=init_layer_index(args.init_layer, ids, n_layers),
-                                     dtype=dtype, device=device)
+        layer = init_layer_index(args.init_layer, aux_layer_ids(args, n_layers), n_layers)
+        target = load_target_weights(args.target, layer=layer, dtype=dtype, device=device)
         print(f"[train-draft] target weights read: {len(target._sglang_ext_weights_only)} tensors "
               "(embedding, lm_head, final norm, the init layer's attention / dense MLP / norms)")
     else:
         target = load_target(args.target, dtype=dtype, device=device)
     n_layers = text_config_of(target).num_hidden_layers
-    aux_ids = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else default_output_ids(n_layers)
+    aux_ids = aux_layer_ids(args, n_layers)
     feat_dir = os.path.join(args.work, "features")
     if rank == 0:
         records, records_held = prepare_features(args, tok, target, aux_ids, device, feat_dir)

@@ -76,9 +76,11 @@ def write_batch(root: str, forward_batch, input_ids: torch.Tensor, aux, last_hid
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return 0
     rids = getattr(forward_batch, "rids", None) or []
+    if not any(isinstance(r, str) and r.startswith(RID_PREFIX) for r in rids):
+        return 0
     from sglang_ext.serving.acceptance import is_reporting_rank  # one writer
 
-    if not any(isinstance(r, str) and r.startswith(RID_PREFIX) for r in rids) or not is_reporting_rank():
+    if not is_reporting_rank():
         return 0
     return write_chunks(root, rids, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu,
                         input_ids, aux, last_hidden)

@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from serverlib import BASE_ARGS, Server, tp_args  # noqa: E402
+from serverlib import Server, tp_args  # noqa: E402
 
 from sglang_ext.conventions import load_json, parse_draft, parse_target  # noqa: E402
 from sglang_ext.draft_schema import draft_kv_bytes_per_token, target_kv_bytes_per_token  # noqa: E402
