@@ -86,3 +86,45 @@ def test_compare_tp_scores_partings_by_the_first_runs_gaps():
     w = r["mha-chain"]["vs_second_target"]
     assert (w["identical"], w["near_tie_partings"], w["other_partings"]) == (1, 0, 1)
     assert r["mha-chain"]["accepted_drafts_per_step_second"] == 0.52 and r["mha-chain"]["position_first"] == [3, 1, 0]
+
+
+def test_compare_tp_reads_deterministic_arms_against_the_deterministic_target():
+    sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+    from compare_tp import compare_runs
+
+    det_ref = [{"ids": [1, 2], "top2": [[-0.1, -3.0], [-0.5, -0.51]]}]
+    default_ref = [{"ids": [7, 7], "top2": [[-0.1, -0.1], [-0.1, -0.1]]}]  # must not be read for det arms
+    arm = "mha-chain-verify-decode-deterministic"
+    first = {"reference": default_ref, "reference-deterministic": det_ref,
+             "outputs": {"target-deterministic": [[1, 2]], arm: [[1, 2]]},
+             "results": {"target-deterministic": {"batch_noise_floor": {"identical": 1}}}}
+    second = {"reference-deterministic": [{"ids": [1, 3], "top2": [[-0.1, -3.0], [-0.5, -0.9]]}],
+              "outputs": {"target-deterministic": [[1, 3]], arm: [[1, 3]]},
+              "results": {"target-deterministic": {"batch_noise_floor": {"identical": 1}}}}
+    r = compare_runs(first, second)
+    # scored by the deterministic target's 0.01 gap at position 1: a near tie
+    assert r[arm]["vs_first_run"]["near_tie_partings"] == 1
+    assert r[arm]["vs_second_target"]["identical"] == 1
+    assert r["target-deterministic"]["batch_noise_floor_first"] == {"identical": 1}
+    assert "vs_second_target" not in r["target-deterministic"]
+
+
+def test_launch_tp_default_arms_exist():
+    """A misspelt arm in launch_tp.sh's defaults would fail on the GPU after minutes of device time."""
+    import re
+
+    sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+    text = open(os.path.join(REPO, "tests", "gpu", "launch_tp.sh")).read().replace("\\\n", " ")
+    check_arms = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'tests/gpu'); "
+                                 "import check_serving as CS, json; print(json.dumps(list(CS.ARMS)))"],
+                                cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(
+                                    os.environ, GPU_CHECK_WORK="/tmp/gpu-script-check"))
+    assert check_arms.returncode == 0, check_arms.stderr[-2000:]
+    known = set(json.loads(check_arms.stdout.strip().splitlines()[-1]))
+    from eval.spec_bench import ARMS as BENCH
+
+    for var, universe in (("TP_ARMS", known), ("DET_ARMS", known), ("TP_BENCH_ARMS", set(BENCH))):
+        m = re.search(r'\$\{' + var + r'[:-]+"([^"]*)"\}', text)
+        assert m, var
+        names = m.group(1).split()
+        assert names and set(names) <= universe, (var, set(names) - universe)

@@ -24,23 +24,26 @@ def compare_runs(first: dict, second: dict) -> dict:
     """Per arm present in both runs' outputs."""
     from check_serving import compare
 
-    ref = first.get("reference") or []
     out = {}
     for arm, ids_a in first.get("outputs", {}).items():
         ids_b = second.get("outputs", {}).get(arm)
         if ids_b is None:
             continue
+        # deterministic-mode arms are read against the deterministic target (check_serving's ref_key)
+        ref_key, target_arm = (("reference-deterministic", "target-deterministic") if arm.endswith("deterministic")
+                               else ("reference", "target"))
+        ref = first.get(ref_key) or []
         # score partings by the first run's target logprobs at the parting position
         rows_a = [{"ids": a, "top2": r.get("top2", [])} for a, r in zip(ids_a, ref)] if ref else \
             [{"ids": a, "top2": []} for a in ids_a]
         row = {"vs_first_run": compare(rows_a, [{"ids": b} for b in ids_b])}
         # the second run's speculation against its own target alone (TP changes the target's reductions too)
-        ref_b = second.get("reference")
-        if ref_b and arm != "target":
+        ref_b = second.get(ref_key)
+        if ref_b and arm != target_arm:
             row["vs_second_target"] = compare(ref_b, [{"ids": b} for b in ids_b])
-        if arm == "target":
+        if arm == target_arm:
             for name, run in (("first", first), ("second", second)):
-                row[f"batch_noise_floor_{name}"] = run.get("results", {}).get("target", {}).get("batch_noise_floor")
+                row[f"batch_noise_floor_{name}"] = run.get("results", {}).get(arm, {}).get("batch_noise_floor")
         for name, run in (("first", first), ("second", second)):
             res = run.get("results", {}).get(arm, {})
             row[f"accepted_drafts_per_step_{name}"] = res.get("accepted_drafts_per_step")
@@ -54,11 +57,11 @@ def compare_runs(first: dict, second: dict) -> dict:
 def main() -> int:
     first, second = (json.load(open(p)) for p in sys.argv[1:3])
     result = compare_runs(first, second)
-    print("arm            identical  near-tie  other(max gap)  acc/step 1st -> 2nd   per-position 1st -> 2nd   "
+    print("arm                                    identical  near-tie  other(max gap)  acc/step 1st -> 2nd   per-position 1st -> 2nd   "
           "views agree  invariant failures")
     for arm, r in result.items():
         v = r["vs_first_run"]
-        print(f"{arm:<15}{v['identical']:<11}{v['near_tie_partings']:<10}"
+        print(f"{arm:<39}{v['identical']:<11}{v['near_tie_partings']:<10}"
               f"{str(v['other_partings']) + '(' + str(v['other_gaps_max']) + ')':<16}"
               f"{r['accepted_drafts_per_step_first']} -> {r['accepted_drafts_per_step_second']}   "
               f"{r['position_first']} -> {r['position_second']}   "
@@ -71,11 +74,11 @@ def main() -> int:
         return f"{v['identical']} / {v['near_tie_partings']} / {v['other_partings']} ({v['other_gaps_max']})" if v else "-"
 
     for arm, r in result.items():
-        if arm == "target":
-            print(f"{arm:<15}{brief(r.get('batch_noise_floor_first'))}  |  {brief(r.get('batch_noise_floor_second'))}")
+        if arm in ("target", "target-deterministic"):
+            print(f"{arm:<39}{brief(r.get('batch_noise_floor_first'))}  |  {brief(r.get('batch_noise_floor_second'))}")
         else:
             first_v = first.get("results", {}).get(arm, {}).get("vs_target")
-            print(f"{arm:<15}{brief(first_v)}  |  {brief(r.get('vs_second_target'))}")
+            print(f"{arm:<39}{brief(first_v)}  |  {brief(r.get('vs_second_target'))}")
     out = os.environ.get("OUT", "/tmp")
     json.dump(result, open(os.path.join(out, "tp.json"), "w"), indent=1)
     return 0

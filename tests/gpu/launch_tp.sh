@@ -5,13 +5,14 @@
 #            .gpu-state, so nothing trains) and, on GPU 1, either the batch-invariant suite on the same target
 #            (PHASE1_GPU1=deterministic, the default: SGLang's deterministic mode, target alone vs speculation)
 #            or the Kimi-shaped benchmark arms at TP=1 (PHASE1_GPU1=bench);
+#            (GPU 1 then builds the Kimi-shaped target and heads for phase 2);
 #   phase 2, both GPUs: the check_serving arms TP=1 finished, at TP=2 (same target, heads, prompts), then
 #            tests/gpu/compare_tp.py (TP=2 vs TP=1: partings scored by TP=1's gaps, acceptance, per-position
-#            counts, views, invariant), the feature server at TP=2 against transformers
-#            (check_feature_server.py), then the benchmark arms at TP=2 (TP_BENCH_ARMS; empty: none).
+#            counts, views, invariant), the Kimi-shaped benchmark arms at TP=2 (TP_BENCH_ARMS; empty: none),
+#            then the feature server at TP=2 against transformers (check_feature_server.py).
 #     bash tests/gpu/launch_tp.sh [WATCH_SECONDS]      # later calls: bash tests/gpu/launch_tp.sh watch SECONDS
 # Env: TP_ARMS (check_serving arms), DET_ARMS (the deterministic suite), TP_BENCH_ARMS (spec_bench arms),
-# TP_LEVELS (concurrency levels), PHASE1_DEADLINE_S / PHASE2_DEADLINE_S (no new check arm after that many
+# TP_LEVELS (concurrency levels), TP_BENCH_OPTS (spec_bench run options), PHASE1_DEADLINE_S / PHASE2_DEADLINE_S (no new check arm after that many
 # seconds of the phase: device time is the budget). Needs /tmp/site (install.sh) and the tiny target's heads
 # of an earlier run in .gpu-state (carry .gpu-state/head-mha, .gpu-state/head-mla, .gpu-state/state.json).
 # Results: /tmp/tp, copied to $OUT/tp by every watch.
@@ -38,13 +39,20 @@ watch() {
 }
 if [ "$1" = "watch" ]; then watch "${2:-540}"; exit 0; fi
 
-ARMS=${TP_ARMS:-"target mha-chain mla-chain mla-tree mha-tree mha-chain-fp8"}
-# session 6 ran the five drafting shapes in deterministic mode (all 200/200 identical); what it did not reach:
-DET_ARMS=${DET_ARMS:-"target-deterministic mha-chain-no-overlap-verify-decode-deterministic mha-chain-deterministic \
-mla-chain-deterministic mha-chain-sampled mla-tree-sampled mha-tree-verify-decode-deterministic"}
+# TP=1 on GPU 0, then TP=2: SGLang's deterministic mode (at TP > 1 it sets NCCL_ALGO=allreduce:tree), so that
+# speculation at TP=2 is compared with its own TP=2 target token for token, and TP=2 with TP=1 (where the
+# target's own reductions differ) scored by TP=1's gaps. Session 6 ran the default-mode arms at TP=1 and MHA
+# chain at TP=2 (its figures are in docs/validation.md).
+ARMS=${TP_ARMS:-"target-deterministic mha-chain-verify-decode-deterministic mla-chain-verify-decode-deterministic \
+mha-tree-verify-decode-deterministic mla-tree-verify-decode-deterministic mha-chain-fp8-verify-decode-deterministic"}
+# what session 6 did not reach: the overlap scheduler off, sampled verification
+DET_ARMS=${DET_ARMS:-"target-deterministic mha-chain-no-overlap-verify-decode-deterministic mha-chain-sampled \
+mla-tree-sampled"}
 PHASE1_GPU1=${PHASE1_GPU1:-deterministic}
 BENCH_ARMS=${TP_BENCH_ARMS-"plugin-chain-verify-decode plugin-mla-chain plugin-tree"}
 LEVELS=${TP_LEVELS:-"1,8,32"}
+# the Kimi-shaped arms at TP=2 show that the plugin starts and serves at that size; a short run each
+BENCH_OPTS=${TP_BENCH_OPTS:-"--output-len 128 --max-bs 32"}
 P1=${PHASE1_DEADLINE_S:-1e9}
 P2=${PHASE2_DEADLINE_S:-1e9}
 mkdir -p $TP && rm -f $TP/progress.log
@@ -53,7 +61,7 @@ cat > $TP/job.sh <<JOB
 say() { echo "[tp \$(date +%H:%M:%S)] \$*" >> $TP/progress.log; }
 bench() {  # WORK TP PORT
   SPEC_BENCH_WORK=\$1 SPEC_BENCH_TP=\$2 python -m eval.spec_bench all --concurrency $LEVELS --repeats 1 \
-    --port \$3 --out \$1/benchmarks.md $BENCH_ARMS
+    --port \$3 --out \$1/benchmarks.md $BENCH_OPTS $BENCH_ARMS
 }
 check() {  # WORK TP DEADLINE RESTORE ARM... (each check builds the same tiny target; prompts, heads restored)
   local work=\$1 tp=\$2 deadline=\$3 restore=\$4; shift 4
@@ -70,7 +78,12 @@ if [ "$PHASE1_GPU1" = bench ]; then
   ( CUDA_VISIBLE_DEVICES=1 bench /tmp/tpbench1 1 31177 > $TP/bench-tp1.log 2>&1; say "bench TP=1 rc \$?" ) &
 else
   ( CUDA_VISIBLE_DEVICES=1 GPU_CHECK_PORT=30377 check /tmp/det1 1 $P1 /tmp/tp-base $DET_ARMS > $TP/check-det.log 2>&1
-    say "deterministic suite rc \$?" ) &
+    say "deterministic suite rc \$?"
+    # GPU 1 is free before GPU 0: build the Kimi-shaped target and heads for phase 2's TP=2 arms now
+    if [ -n "$BENCH_ARMS" ]; then
+      CUDA_VISIBLE_DEVICES=1 SPEC_BENCH_WORK=/tmp/tpbench1 python -m eval.spec_bench build > $TP/bench-build.log 2>&1
+      say "Kimi-shaped build rc \$?"
+    fi ) &
 fi
 wait
 cp /tmp/tp1/state.json /tmp/tp1.json
@@ -86,9 +99,6 @@ GPU_CHECK_PORT=30477 check /tmp/tp2 2 $P2 /tmp/tp1-restore \$DONE_ARMS > $TP/che
 sed -n '/^arm  /,\$p' $TP/check-tp2.log >> $TP/progress.log || true
 python tests/gpu/compare_tp.py /tmp/tp1.json /tmp/tp2/state.json > $TP/compare.txt 2>&1; say "compare rc \$?"
 cat $TP/compare.txt >> $TP/progress.log
-# draft-training features from an SGLang feature server at TP=2 vs transformers in-process (the trainer issue)
-OUT=$TP python tests/gpu/check_feature_server.py /tmp/tp1/target --tp 2 > $TP/feature-server.log 2>&1
-say "feature server TP=2 rc \$?"; tail -c 1500 $TP/feature-server.log >> $TP/progress.log
 if [ -n "$BENCH_ARMS" ]; then
   mkdir -p /tmp/tpbench2   # TP=1's target and heads when phase 1 built them (its arms are not carried over)
   if [ -f /tmp/tpbench1/state.json ]; then
@@ -98,6 +108,9 @@ if [ -n "$BENCH_ARMS" ]; then
   bench /tmp/tpbench2 2 31178 > $TP/bench-tp2.log 2>&1; say "bench TP=2 rc \$?"
   grep -h "^\[bench\]" $TP/bench-tp2.log >> $TP/progress.log || true
 fi
+# draft-training features from an SGLang feature server at TP=2 vs transformers in-process (the trainer issue)
+OUT=$TP python tests/gpu/check_feature_server.py /tmp/tp1/target --tp 2 > $TP/feature-server.log 2>&1
+say "feature server TP=2 rc \$?"; tail -c 1500 $TP/feature-server.log >> $TP/progress.log
 cp /tmp/tpbench1/benchmarks.md $TP/bench-tp1.md 2>/dev/null; cp /tmp/tpbench2/benchmarks.md $TP/bench-tp2.md 2>/dev/null
 say DONE
 JOB
