@@ -63,6 +63,7 @@ ARMS = {
                                              "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND": "1"}, False),
     # the draft's format and KV dtype, at the plugin's defaults (chains verified as decode attention)
     "plugin-mla-chain": ("mla", CHAIN, {}, True),
+    "plugin-mla-tree": ("mla", TREE, {}, True),
     "plugin-fp8": ("mha", CHAIN, {"SGLANG_EXT_DRAFT_KV_CACHE_DTYPE": "fp8_e4m3"}, True),
     "plugin-tree": ("mha", TREE, EXTEND, True),
     "zero-accept": ("mha", CHAIN, EXTEND, False),
@@ -74,7 +75,7 @@ ARMS = {
 # the order `all` runs them in: what the ratios need first (c comes from zero-accept at batch 1)
 PRIORITY = ["nospec", "plugin-chain", "upstream-chain", "plugin-chain-verify-decode", "zero-accept",
             "zero-accept-verify-decode", "zero-accept-protected-verify-decode", "plugin-tree-verify-decode",
-            "plugin-fp8", "plugin-mla-chain", "zero-accept-protected", "plugin-tree"]
+            "plugin-fp8", "plugin-mla-chain", "zero-accept-protected", "plugin-tree", "plugin-mla-tree"]
 
 
 # ------------------------------------------------------------------------------------ build

@@ -127,4 +127,18 @@ def test_launch_tp_default_arms_exist():
         m = re.search(r'\$\{' + var + r'[:-]+"([^"]*)"\}', text)
         assert m, var
         names = m.group(1).split()
-        assert names and set(names) <= universe, (var, set(names) - universe)
+        assert (names or var == "DET_ARMS") and set(names) <= universe, (var, set(names) - universe)
+
+
+def test_compare_tp_reads_an_arm_the_first_run_lacks_against_its_target():
+    sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+    from compare_tp import compare_runs
+
+    arm = "mla-tree-verify-decode-deterministic"
+    first = {"reference-deterministic": [{"ids": [1, 2], "top2": [[-0.1, -3.0], [-0.5, -0.9]]}],
+             "outputs": {"target-deterministic": [[1, 2]]}}
+    second = {"reference-deterministic": [{"ids": [1, 3], "top2": [[-0.1, -3.0], [-0.5, -0.9]]}],
+              "outputs": {"target-deterministic": [[1, 3]], arm: [[1, 3]]}}
+    r = compare_runs(first, second)
+    assert r[arm]["first_is_target"] and not r["target-deterministic"]["first_is_target"]
+    assert r[arm]["vs_first_run"]["other_partings"] == 1 and r[arm]["vs_second_target"]["identical"] == 1

