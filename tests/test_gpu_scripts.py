@@ -142,3 +142,15 @@ def test_compare_tp_reads_an_arm_the_first_run_lacks_against_its_target():
     r = compare_runs(first, second)
     assert r[arm]["first_is_target"] and not r["target-deterministic"]["first_is_target"]
     assert r[arm]["vs_first_run"]["other_partings"] == 1 and r[arm]["vs_second_target"]["identical"] == 1
+
+
+def test_check_ddp_runs_on_the_cpu(tmp_path):
+    """tests/gpu/check_ddp.py's CPU dry run (gloo, a small target): torchrun's two ranks and one process with
+    the same global batch train on the same tokens to the same weights, and the script prints PASS."""
+    p = subprocess.run([sys.executable, "tests/gpu/check_ddp.py", "--device", "cpu", "--conversations", "8",
+                        "--hidden", "64", "--speed-steps", "2", "--work", str(tmp_path / "w")], cwd=REPO,
+                       env=dict(os.environ, OUT=str(tmp_path)), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and p.stdout.strip().endswith("PASS"), p.stdout[-2000:] + p.stderr[-2000:]
+    r = json.load(open(tmp_path / "ddp.json"))["runs"]["fp32, equality"]
+    assert r["two_ranks"]["tokens_trained"] == r["one_process"]["tokens_trained"] > 0
+    assert r["max_update"] > 0 and r["max_diff_relative_to_update"] < 1e-2

@@ -406,11 +406,15 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
             for k in range(len(acc)):
                 acc_sum[k] += acc[k]
                 cnt_sum[k] += cnt[k]
-        if dist is not None:
+        if dist is not None:  # one all-reduce of all gradients (flattened), not one per parameter
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
+            grads = [p.grad for p in params]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat)
+            for g, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(summed)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(f"non-finite gradient norm at optimizer step {step}; the weights were not "
