@@ -123,7 +123,8 @@ def test_launch_tp_default_arms_exist():
     known = set(json.loads(check_arms.stdout.strip().splitlines()[-1]))
     from eval.spec_bench import ARMS as BENCH
 
-    for var, universe in (("TP_ARMS", known), ("DET_ARMS", known), ("TP_BENCH_ARMS", set(BENCH))):
+    for var, universe in (("TP_ARMS", known), ("DET_ARMS", known), ("TP_BENCH_ARMS", set(BENCH)),
+                          ("P1_BENCH_ARMS", set(BENCH))):
         m = re.search(r'\$\{' + var + r'[:-]+"([^"]*)"\}', text)
         assert m, var
         names = m.group(1).split()

@@ -2,13 +2,15 @@
 # The TP issue on nvidia-h200-x2, as one detached job (a device `run` kills what it leaves in its own
 # session) and a watch:
 #   phase 1, side by side: check_serving on the tiny DeepseekV3 target at TP=1 (GPU 0; heads restored from
-#            .gpu-state, so nothing trains) and, on GPU 1, either more check_serving arms on the same target
-#            (DET_ARMS, PHASE1_GPU1=deterministic, the default) and then the build of the Kimi-shaped target
-#            and heads for phase 2, or the Kimi-shaped benchmark arms at TP=1 (PHASE1_GPU1=bench);
+#            .gpu-state, so nothing trains) and, on GPU 1, more check_serving arms on the same target
+#            (DET_ARMS, if any), then the Kimi-shaped benchmark arms at TP=1 (P1_BENCH_ARMS: by default the
+#            protection's profile, no speculation vs the protected zero-acceptance arm), which also build the
+#            Kimi-shaped target and heads for phase 2;
 #   phase 2, both GPUs: the check_serving arms TP=1 finished, at TP=2 (same target, heads, prompts), then
 #            tests/gpu/compare_tp.py (TP=2 vs TP=1: partings scored by TP=1's gaps, acceptance, per-position
 #            counts, views, invariant), the Kimi-shaped benchmark arms at TP=2 (TP_BENCH_ARMS; empty: none),
-#            then the feature server at TP=2 against transformers (check_feature_server.py).
+#            then the feature server at TP=2 against transformers (check_feature_server.py; TP_FEATURE=0: not),
+#            then the trainer on two GPUs over NCCL against one process (check_ddp.py; TP_DDP=0: not).
 #     bash tests/gpu/launch_tp.sh [WATCH_SECONDS]      # later calls: bash tests/gpu/launch_tp.sh watch SECONDS
 # Env: TP_ARMS (check_serving arms), DET_ARMS (the deterministic suite), TP_BENCH_ARMS (spec_bench arms),
 # TP_LEVELS (concurrency levels), TP_BENCH_OPTS (spec_bench run options), PHASE1_DEADLINE_S / PHASE2_DEADLINE_S (no new check arm after that many
@@ -28,7 +30,7 @@ watch() {
   if [ -n "$OUT" ]; then  # one tarball: $OUT has a file-count limit (~8 files come back)
     local pack=/tmp/tp-pack
     rm -rf $pack && mkdir -p $pack
-    for f in $TP/progress.log $TP/compare.txt $TP/feature_server.json $TP/*.md /tmp/tp1.json /tmp/tp2/state.json /tmp/det1/state.json \
+    for f in $TP/progress.log $TP/compare.txt $TP/feature_server.json $TP/ddp.json $TP/*.md /tmp/tp1.json /tmp/tp2/state.json /tmp/det1/state.json \
              /tmp/tpbench1/state.json /tmp/tpbench2/state.json; do
       [ -f "$f" ] && cp "$f" "$pack/$(echo "$f" | tr / _ | sed 's/^_//')"
     done
@@ -49,7 +51,12 @@ ARMS=${TP_ARMS:-"target-deterministic mha-chain-fp8-verify-decode-deterministic 
 # GPU 1's check arms during phase 1 (session 7 ran the overlap-off and sampled arms; empty: GPU 1 only builds
 # the Kimi-shaped target)
 DET_ARMS=${DET_ARMS-""}
-PHASE1_GPU1=${PHASE1_GPU1:-deterministic}
+# the benchmark issue's protection, profiled at batch 1 (session 5 measured 0.81-0.90x of no speculation): what
+# a depth-0 step costs against a plain decode step, and the policy's steps and step times per depth
+P1_BENCH_ARMS=${P1_BENCH_ARMS-"nospec zero-accept-protected-verify-decode"}
+P1_BENCH_OPTS=${P1_BENCH_OPTS:-"--concurrency 1,32,128 --repeats 1 --profile-at nospec:1,zero-accept-protected-verify-decode:1"}
+TP_FEATURE=${TP_FEATURE:-0}
+TP_DDP=${TP_DDP:-1}
 # session 7 served MHA chain, MLA chain and MHA tree on the Kimi-shaped target at TP=2
 BENCH_ARMS=${TP_BENCH_ARMS-"plugin-mla-tree plugin-fp8"}
 LEVELS=${TP_LEVELS:-"1,8,32"}
@@ -61,9 +68,9 @@ mkdir -p $TP && rm -f $TP/progress.log
 # the job script: variables of this shell expanded now, \$ ones when the job runs
 cat > $TP/job.sh <<JOB
 say() { echo "[tp \$(date +%H:%M:%S)] \$*" >> $TP/progress.log; }
-bench() {  # WORK TP PORT
-  SPEC_BENCH_WORK=\$1 SPEC_BENCH_TP=\$2 python -m eval.spec_bench all --concurrency $LEVELS --repeats 1 \
-    --port \$3 --out \$1/benchmarks.md $BENCH_OPTS $BENCH_ARMS
+bench() {  # WORK TP PORT OPTIONS-AND-ARMS...
+  local work=\$1 tp=\$2 port=\$3; shift 3
+  SPEC_BENCH_WORK=\$work SPEC_BENCH_TP=\$tp python -m eval.spec_bench all --port \$port --out \$work/benchmarks.md "\$@"
 }
 check() {  # WORK TP DEADLINE RESTORE ARM... (each check builds the same tiny target; prompts, heads restored)
   local work=\$1 tp=\$2 deadline=\$3 restore=\$4; shift 4
@@ -74,21 +81,19 @@ mkdir -p /tmp/tp1/out /tmp/tp2/out /tmp/det1/out
 # the restored heads and prompts only: an earlier run's results must not read as this run's
 rm -rf /tmp/tp-base && mkdir -p /tmp/tp-base && cp -r $PWD/.gpu-state/head-mha $PWD/.gpu-state/head-mla /tmp/tp-base/
 python -c "import json; s = json.load(open('$PWD/.gpu-state/state.json')); json.dump({'prompts': s['prompts']}, open('/tmp/tp-base/state.json', 'w'))"
-say "phase 1: TP=1 check_serving ($ARMS) on GPU 0; GPU 1: $PHASE1_GPU1"
+say "phase 1: TP=1 check_serving ($ARMS) on GPU 0; GPU 1: check arms ($DET_ARMS), benchmark arms ($P1_BENCH_ARMS)"
 ( CUDA_VISIBLE_DEVICES=0 check /tmp/tp1 1 $P1 /tmp/tp-base $ARMS > $TP/check-tp1.log 2>&1; say "check TP=1 rc \$?" ) &
-if [ "$PHASE1_GPU1" = bench ]; then
-  ( CUDA_VISIBLE_DEVICES=1 bench /tmp/tpbench1 1 31177 > $TP/bench-tp1.log 2>&1; say "bench TP=1 rc \$?" ) &
-else
-  ( if [ -n "$DET_ARMS" ]; then
-      CUDA_VISIBLE_DEVICES=1 GPU_CHECK_PORT=30377 check /tmp/det1 1 $P1 /tmp/tp-base $DET_ARMS > $TP/check-det.log 2>&1
-      say "GPU 1 check arms rc \$?"
-    fi
-    # GPU 1 is free before GPU 0: build the Kimi-shaped target and heads for phase 2's TP=2 arms now
-    if [ -n "$BENCH_ARMS" ]; then
-      CUDA_VISIBLE_DEVICES=1 SPEC_BENCH_WORK=/tmp/tpbench1 python -m eval.spec_bench build > $TP/bench-build.log 2>&1
-      say "Kimi-shaped build rc \$?"
-    fi ) &
-fi
+( if [ -n "$DET_ARMS" ]; then
+    CUDA_VISIBLE_DEVICES=1 GPU_CHECK_PORT=30377 check /tmp/det1 1 $P1 /tmp/tp-base $DET_ARMS > $TP/check-det.log 2>&1
+    say "GPU 1 check arms rc \$?"
+  fi
+  if [ -n "$P1_BENCH_ARMS" ]; then  # builds the Kimi-shaped target and heads too
+    CUDA_VISIBLE_DEVICES=1 bench /tmp/tpbench1 1 31177 --deadline-s $P1 $P1_BENCH_OPTS $P1_BENCH_ARMS > $TP/bench-tp1.log 2>&1
+    say "bench TP=1 rc \$?"
+  elif [ -n "$BENCH_ARMS" ]; then  # GPU 1 is free before GPU 0: build for phase 2's TP=2 arms now
+    CUDA_VISIBLE_DEVICES=1 SPEC_BENCH_WORK=/tmp/tpbench1 python -m eval.spec_bench build > $TP/bench-build.log 2>&1
+    say "Kimi-shaped build rc \$?"
+  fi ) &
 wait
 cp /tmp/tp1/state.json /tmp/tp1.json
 grep -h "^\[bench\]" $TP/bench-tp1.log >> $TP/progress.log 2>/dev/null || true
@@ -108,12 +113,20 @@ if [ -n "$BENCH_ARMS" ]; then
     cp -r /tmp/tpbench1/target /tmp/tpbench1/head-* /tmp/tpbench2/
     python -c "import json; s = json.load(open('/tmp/tpbench1/state.json')); json.dump({'build': s['build']}, open('/tmp/tpbench2/state.json', 'w'))"
   fi
-  bench /tmp/tpbench2 2 31178 > $TP/bench-tp2.log 2>&1; say "bench TP=2 rc \$?"
+  bench /tmp/tpbench2 2 31178 --concurrency $LEVELS --repeats 1 $BENCH_OPTS $BENCH_ARMS > $TP/bench-tp2.log 2>&1
+  say "bench TP=2 rc \$?"
   grep -h "^\[bench\]" $TP/bench-tp2.log >> $TP/progress.log || true
 fi
 # draft-training features from an SGLang feature server at TP=2 vs transformers in-process (the trainer issue)
-OUT=$TP python tests/gpu/check_feature_server.py /tmp/tp1/target --tp 2 > $TP/feature-server.log 2>&1
-say "feature server TP=2 rc \$?"; tail -c 1500 $TP/feature-server.log >> $TP/progress.log
+if [ "$TP_FEATURE" = 1 ]; then
+  OUT=$TP python tests/gpu/check_feature_server.py /tmp/tp1/target --tp 2 > $TP/feature-server.log 2>&1
+  say "feature server TP=2 rc \$?"; tail -c 1500 $TP/feature-server.log >> $TP/progress.log
+fi
+# the trainer's data parallelism on both GPUs (NCCL) against one process with the same global batch
+if [ "$TP_DDP" = 1 ]; then
+  OUT=$TP python tests/gpu/check_ddp.py > $TP/ddp.log 2>&1
+  say "DDP rc \$?"; grep -A4 "^run  " $TP/ddp.log >> $TP/progress.log
+fi
 cp /tmp/tpbench1/benchmarks.md $TP/bench-tp1.md 2>/dev/null; cp /tmp/tpbench2/benchmarks.md $TP/bench-tp2.md 2>/dev/null
 say DONE
 JOB
