@@ -151,3 +151,44 @@ def test_bad_option_value_stops_the_server_start_not_the_plugin(declared_draft):
     r = _result(run_py(code, SGLANG_PLUGINS="sglang_eagle3_mla", SGLANG_EXT_MLA_VERIFY="fast"))
     assert r["wrapped"]
     assert r["bad"][0] == "ConfigError" and "SGLANG_EXT_MLA_VERIFY" in r["bad"][1] and "'fast'" in r["bad"][1]
+
+
+FP32 = """
+import json, torch
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.layers.layernorm import RMSNorm
+import sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe as fm
+import triton.language as tl
+
+norm = RMSNorm(16)
+with torch.no_grad():
+    norm.weight.copy_(torch.linspace(0.5, 1.5, 16))
+x, res = torch.randn(4, 16), torch.randn(4, 16)
+out = norm.forward_cuda(x.clone())  # fp32: upstream's forward_native, not sgl_kernel's rmsnorm
+out_res, new_res = norm.forward_cuda(x.clone(), res.clone())
+ref = norm.forward_native(x.clone())
+ref_res, ref_new = norm.forward_native(x.clone(), res.clone())
+seen = []
+from sglang_ext.serving import fp32
+fp32.invoke_fused_moe_kernel(lambda A, *a, **k: seen.append(k["compute_type"]), torch.zeros(2, dtype=torch.float32),
+                             compute_type=tl.float16)
+fp32.invoke_fused_moe_kernel(lambda A, *a, **k: seen.append(k["compute_type"]), torch.zeros(2, dtype=torch.bfloat16),
+                             compute_type=tl.bfloat16)
+calls = []
+fp32.rmsnorm_forward_cuda(lambda self, x, r, p: calls.append(x.dtype), norm, x.to(torch.bfloat16))
+print(json.dumps({"wrapped": hasattr(RMSNorm.forward_cuda, "__wrapped__"),
+                  "moe_wrapped": hasattr(fm.invoke_fused_moe_kernel, "__wrapped__"),
+                  "norm": torch.equal(out, ref), "norm_res": torch.equal(out_res, ref_res) and torch.equal(new_res, ref_new),
+                  "moe_types": [str(t) for t in seen], "bf16_passes_through": [str(c) for c in calls]}))
+"""
+
+
+def test_fp32_targets_serve_on_upstreams_pure_torch_rmsnorm_and_an_fp32_moe_store():
+    """SGLang 0.5.17's sgl_kernel rmsnorm has no fp32 kernel and its fused MoE stores fp32 results as fp16: under the
+    plugin an fp32 RMSNorm runs upstream's forward_native (same values), fp32 MoE stores fp32, bf16 is untouched."""
+    p = run_py(FP32, SGLANG_PLUGINS="sglang_eagle3_mla")
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["wrapped"] and r["moe_wrapped"] and r["norm"] and r["norm_res"]
+    assert r["moe_types"] == ["fp32", "bf16"] and r["bf16_passes_through"] == ["torch.bfloat16"]

