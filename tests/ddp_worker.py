@@ -8,6 +8,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,8 +35,6 @@ metrics = train(head, read_shards(os.path.join(d, "features")), load_file(os.pat
 if device.type == "cuda":
     torch.cuda.synchronize()
 seconds = time.time() - t
-import torch.distributed as dist  # noqa: E402
-
 tokens = torch.tensor([float(metrics.get("tokens_trained", 0))], device=device)
 dist.all_reduce(tokens)  # every rank's share: the tokens of the global batch
 metrics["tokens_trained"] = int(tokens.item())
