@@ -1,6 +1,7 @@
 """One rank of the data-parallel trainer checks, run under torchrun: trains the head saved in DIR on the
 feature shards in DIR, and rank 0 writes the trained weights and its metrics. test_training.py runs it on
-the CPU (gloo); tests/gpu/check_ddp.py on GPUs (NCCL, DDP_DEVICE=cuda: rank r on cuda:r)."""
+the CPU (gloo); tests/gpu/check_ddp.py on GPUs (NCCL, DDP_DEVICE=cuda: rank r on cuda:r), and trains the
+same directory in one process through `train_dir` for comparison."""
 
 import json
 import os
@@ -8,7 +9,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -16,29 +16,40 @@ from sglang_ext.core.heads import Eagle3Head, HeadConfig  # noqa: E402
 from training.features import read_shards  # noqa: E402
 from training.trainer import TrainConfig, train  # noqa: E402
 
-d = sys.argv[1]
-device = torch.device("cpu")
-if os.environ.get("DDP_DEVICE") == "cuda":
-    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}")
-    torch.cuda.set_device(device)
-head = Eagle3Head(HeadConfig.from_dict(json.load(open(os.path.join(d, "head.json")))))
-head.load_state_dict(load_file(os.path.join(d, "head.safetensors")))
-head.embed_tokens.weight.requires_grad_(False)  # as the trainer's init leaves it
-head.to(device)
-if int(os.environ["RANK"]) == 1:  # a rank that starts elsewhere is brought to rank 0's weights
-    with torch.no_grad():
-        head.fc.weight.add_(1.0)
-cfg = TrainConfig(**json.load(open(os.path.join(d, "train.json"))))
-t = time.time()
-metrics = train(head, read_shards(os.path.join(d, "features")), load_file(os.path.join(d, "lm.safetensors"))["w"],
-                cfg, log=lambda *_: None)
-if device.type == "cuda":
-    torch.cuda.synchronize()
-seconds = time.time() - t
-tokens = torch.tensor([float(metrics.get("tokens_trained", 0))], device=device)
-dist.all_reduce(tokens)  # every rank's share: the tokens of the global batch
-metrics["tokens_trained"] = int(tokens.item())
-if int(os.environ["RANK"]) == 0:
-    save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()},
-              os.path.join(d, "trained.safetensors"))
-    json.dump({"seconds": seconds, **metrics}, open(os.path.join(d, "ddp_metrics.json"), "w"))
+
+def train_dir(d: str, device: torch.device, cfg: dict, perturb: bool = False) -> tuple[Eagle3Head, dict]:
+    """The head of DIR trained on DIR's shards with `cfg` (a TrainConfig's fields); metrics gain `seconds`.
+    `perturb`: start from other weights (a rank that the trainer must bring to rank 0's)."""
+    head = Eagle3Head(HeadConfig.from_dict(json.load(open(os.path.join(d, "head.json")))))
+    head.load_state_dict(load_file(os.path.join(d, "head.safetensors")))
+    head.embed_tokens.weight.requires_grad_(False)  # as the trainer's init leaves it
+    head.to(device)
+    if perturb:
+        with torch.no_grad():
+            head.fc.weight.add_(1.0)
+    t = time.time()
+    metrics = train(head, read_shards(os.path.join(d, "features")), load_file(os.path.join(d, "lm.safetensors"))["w"],
+                    TrainConfig(**cfg), log=lambda *_: None)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    metrics["seconds"] = time.time() - t
+    return head, metrics
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    d = sys.argv[1]
+    device = torch.device("cpu")
+    if os.environ.get("DDP_DEVICE") == "cuda":
+        device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}")
+        torch.cuda.set_device(device)
+    rank = int(os.environ["RANK"])
+    head, metrics = train_dir(d, device, json.load(open(os.path.join(d, "train.json"))), perturb=rank == 1)
+    tokens = torch.tensor([float(metrics.get("tokens_trained", 0))], device=device)
+    dist.all_reduce(tokens)  # every rank's share: the tokens of the global batch
+    metrics["tokens_trained"] = int(tokens.item())
+    if rank == 0:
+        save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()},
+                  os.path.join(d, "trained.safetensors"))
+        json.dump(metrics, open(os.path.join(d, "ddp_metrics.json"), "w"))

@@ -69,24 +69,12 @@ def run_ddp(work: str, device: str, train_cfg: dict, port: int) -> dict:
 
 def run_single(work: str, device: str, train_cfg: dict) -> tuple[dict, dict]:
     import torch
-    from safetensors.torch import load_file
 
-    from sglang_ext.core.heads import Eagle3Head, HeadConfig
-    from training.features import read_shards
-    from training.trainer import TrainConfig, train
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from ddp_worker import train_dir
 
-    dev = torch.device("cuda:0" if device == "cuda" else "cpu")
-    head = Eagle3Head(HeadConfig.from_dict(json.load(open(os.path.join(work, "head.json")))))
-    head.load_state_dict(load_file(os.path.join(work, "head.safetensors")))
-    head.embed_tokens.weight.requires_grad_(False)
-    head.to(dev)
     cfg = dict(train_cfg, grad_accum=2 * train_cfg["grad_accum"])  # the two ranks' units in one process
-    t = time.time()
-    metrics = train(head, read_shards(os.path.join(work, "features")), load_file(os.path.join(work, "lm.safetensors"))["w"],
-                    TrainConfig(**cfg), log=lambda *_: None)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    metrics["seconds"] = time.time() - t
+    head, metrics = train_dir(work, torch.device("cuda:0" if device == "cuda" else "cpu"), cfg)
     return metrics, {k: v.detach().cpu() for k, v in head.state_dict().items()}
 
 
