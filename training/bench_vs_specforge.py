@@ -7,7 +7,8 @@ Ours: `training.trainer.ttt_loss` (bf16 autocast, fp32 master weights) + backwar
 SpecForge's: `LlamaForCausalLMEagle3` -> `OnlineEagle3Model` (TTT unroll) ->
 `Eagle3TrainStrategy.forward_loss` (its offline path, `target_repr=hidden_state`, TargetHead) ->
 backward -> `BF16Optimizer.step` (bf16 weights, fp32 masters, clip, AdamW) -- exactly its trainer's
-call chain. Prints a table (median step ms, tokens/s, peak memory) and, for ours, the top CUDA ops.
+call chain. Both live at once and their timed steps alternate (contention weighs on both alike). Prints a
+table (median step ms, tokens/s, memory a step needs) and, for ours, the top CUDA ops.
 SpecForge pins other SGLang/transformers versions: install it beside ours without dependencies
 (`pip install --no-deps --target /tmp/sfsite specforge-0.2.0-py3-none-any.whl`, PYTHONPATH).
 
@@ -50,18 +51,21 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def time_steps(step, steps: int, device) -> list[float]:
-    out = []
-    for _ in range(steps):
-        sync(device)
-        t = time.perf_counter()
-        step()
-        sync(device)
-        out.append(time.perf_counter() - t)
-    return out
+def timed(step, device) -> tuple[float, float]:
+    """One step's wall time and the memory it needed above what was allocated before it (GiB)."""
+    sync(device)
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    step()
+    sync(device)
+    dt = time.perf_counter() - t
+    return dt, (torch.cuda.max_memory_allocated() - base) / 2 ** 30 if device.type == "cuda" else 0.0
 
 
-def ours(shape, seq, ttt, steps, device, profile: bool):
+def ours(shape, seq, ttt, device):
+    """Our training step (and its warm-up run once)."""
     from sglang_ext.core.heads import Eagle3Head, HeadConfig
     from training.features import Features
     from training.trainer import ttt_loss
@@ -89,21 +93,20 @@ def ours(shape, seq, ttt, steps, device, profile: bool):
         opt.zero_grad(set_to_none=True)
 
     step()  # warm-up
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = time_steps(step, steps, device)
-    top = None
-    if profile and device.type == "cuda":
-        from torch.profiler import ProfilerActivity, profile as prof
-
-        with prof(activities=[ProfilerActivity.CUDA]) as p:
-            step()
-            sync(device)
-        top = p.key_averages().table(sort_by="cuda_time_total", row_limit=12)
-    return times, top
+    return step
 
 
-def specforge(shape, seq, ttt, steps, device, backend: str):
+def profile_table(step, device) -> str:
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        step()
+        sync(device)
+    return p.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+
+
+def specforge(shape, seq, ttt, device, backend: str):
+    """SpecForge's training step (and its warm-up run once)."""
     import torch.nn as nn
     from transformers import LlamaConfig
 
@@ -163,9 +166,7 @@ def specforge(shape, seq, ttt, steps, device, backend: str):
         opt.step()
 
     step()  # warm-up (and torch.compile of its helpers)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    return time_steps(step, steps, device)
+    return step
 
 
 def main(argv=None) -> int:
@@ -182,21 +183,25 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = TINY if args.tiny else LLAMA_8B
-    rows = {}
-    times, top = ours(shape, args.seq_len, args.ttt, args.steps, device, args.profile)
-    rows["ours"] = {"times": times, "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda"
-                    else None}
+    # both trainers live at once and their steps alternate, so that whatever else the GPU and host do
+    # (another process, clocks) weighs on both alike
+    steps = {"ours": ours(shape, args.seq_len, args.ttt, device)}
     if not args.ours_only:
         backend = args.specforge_backend if device.type == "cuda" else "sdpa"
-        times = specforge(shape, args.seq_len, args.ttt, args.steps, device, backend)
-        rows[f"specforge ({backend})"] = {"times": times, "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30
-                                          if device.type == "cuda" else None}
+        steps[f"specforge ({backend})"] = specforge(shape, args.seq_len, args.ttt, device, backend)
+    rows = {name: {"times": [], "step_gib": 0.0} for name in steps}
+    for _ in range(args.steps):
+        for name, step in steps.items():
+            dt, gib = timed(step, device)
+            rows[name]["times"].append(dt)
+            rows[name]["step_gib"] = max(rows[name]["step_gib"], gib)
+    top = profile_table(steps["ours"], device) if args.profile and device.type == "cuda" else None
     print(f"\nshape {shape}, seq {args.seq_len}, batch 1, TTT {args.ttt}, {args.steps} timed steps on {device}")
-    print("trainer                      median ms   min ms   tokens/s   peak GiB")
+    print("trainer                      median ms   min ms   tokens/s   step GiB (memory a step needs above its resident state)")
     for name, r in rows.items():
         med = statistics.median(r["times"])
         r.update(median_ms=1e3 * med, min_ms=1e3 * min(r["times"]), tokens_per_s=args.seq_len / med)
-        peak = "—" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        peak = f"{r['step_gib']:.1f}" if device.type == "cuda" else "—"
         print(f"{name:<28} {r['median_ms']:>9.1f} {r['min_ms']:>8.1f} {r['tokens_per_s']:>10.0f}   {peak}")
     if len(rows) == 2:
         a, b = (r["median_ms"] for r in rows.values())

@@ -1,8 +1,9 @@
 #!/bin/bash
 # Starts the GPU session's background work detached (a device `run` kills what it leaves in its own
 # session), then watches it. One GPU: the scale pipeline. Two GPUs (nvidia-h200-x2): the pipeline on
-# GPU 0 and, on GPU 1 (GPU1=bench|specforge|none), the benchmark suite (eval.spec_bench all, the default)
-# or the SpecForge training comparison, side by side.
+# GPU 0 and, on GPU 1 (GPU1=bench|specforge|ddp,specforge|none), the benchmark suite (eval.spec_bench all,
+# the default) or the SpecForge training comparison (after the two-GPU DDP check with ddp,specforge), side by
+# side; on one GPU, GPU1=specforge runs that comparison on the pipeline's GPU.
 #   bash tests/gpu/launch.sh SECONDS_OF_WORK
 # Needs /tmp/site (install.sh), /tmp/gpu-data and the SmolLM2 GGUF halves in /tmp/teacher.
 set -e
@@ -15,17 +16,27 @@ export TEACHER=/tmp/teacher/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p /tmp/scale /tmp/specbench
 rm -f /tmp/scale/progress.log /tmp/specbench/bench.log
 GPUS=$(nvidia-smi -L | wc -l)
-GPU1=${GPU1:-bench}  # the second GPU's work: bench (eval.spec_bench), specforge (the trainer comparison), none
-if [ "$GPUS" -ge 2 ] && [ "$GPU1" = specforge ]; then
+GPU1=${GPU1:-bench}  # the second GPU's work: bench (eval.spec_bench), specforge (the trainer comparison),
+                     # ddp,specforge (first tests/gpu/check_ddp.py, which also uses GPU 0 for a minute), none.
+                     # On one GPU, specforge runs beside the pipeline on that GPU after SPECFORGE_DELAY_S
+                     # (its steps alternate with ours, so the pipeline's load weighs on both alike)
+case "$GPU1" in bench|specforge|ddp,specforge|none) ;; *) echo "GPU1=$GPU1: choose bench, specforge, ddp,specforge or none"; exit 2;; esac
+SIDE=""  # the GPU of the SpecForge comparison
+if [ "$GPU1" = specforge ] || [ "$GPU1" = ddp,specforge ]; then
+  SIDE=$(( GPUS >= 2 ? 1 : 0 ))
+  [ "$GPUS" -lt 2 ] && [ "$GPU1" = ddp,specforge ] && { echo "GPU1=ddp,specforge needs two GPUs"; exit 2; }
   export PIPE_SKIP="${PIPE_SKIP:+$PIPE_SKIP,}specforge"  # the pipeline's own step would run it a second time
 fi
 PIPE_DEADLINE=$(( $(date +%s) + BUDGET )) CUDA_VISIBLE_DEVICES=0 \
   setsid nohup python tests/gpu/scale_pipeline.py run > /tmp/scale/pipeline.log 2>&1 < /dev/null &
-if [ "$GPUS" -ge 2 ] && [ "$GPU1" = specforge ]; then
+if [ -n "$SIDE" ]; then
   # after the pipeline has rotated progress.log; the MLA trainer may use GPU 1 afterwards (MLA_TRAIN_GPU=1)
   sleep 5
-  PIPE_DEADLINE=$(( $(date +%s) + BUDGET )) CUDA_VISIBLE_DEVICES=1 \
-    setsid nohup python tests/gpu/scale_pipeline.py specforge > /tmp/scale/specforge.log 2>&1 < /dev/null &
+  DDP=""
+  [ "$GPU1" = ddp,specforge ] && DDP="OUT=/tmp/scale/results python tests/gpu/check_ddp.py > /tmp/scale/ddp.log 2>&1; "
+  PIPE_DEADLINE=$(( $(date +%s) + BUDGET )) setsid nohup bash -c \
+    "sleep ${SPECFORGE_DELAY_S:-0}; $DDP CUDA_VISIBLE_DEVICES=$SIDE python tests/gpu/scale_pipeline.py specforge" \
+    > /tmp/scale/specforge.log 2>&1 < /dev/null &
 elif [ "$GPUS" -ge 2 ] && [ "$GPU1" = bench ]; then
   # BENCH_STATE: an earlier run's state.json (e.g. docs/bench/state-*.json) whose arms are kept, not re-run
   [ -n "$BENCH_STATE" ] && [ ! -f /tmp/specbench/state.json ] && cp "$BENCH_STATE" /tmp/specbench/state.json

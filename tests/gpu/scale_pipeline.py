@@ -422,11 +422,15 @@ def watch(limit: float) -> int:
             break
         time.sleep(5)
     out = os.environ.get("OUT")
-    if out:
-        subprocess.run(f"cp -r {RESULTS} {out}/ 2>/dev/null; cp {ROOT}/progress.log {out}/ 2>/dev/null; "
-                       f"for f in {ROOT}/train-*.log {ROOT}/arms.log; do [ -f $f ] && tail -c 20000 $f > {out}/$(basename $f); done; "
-                       f"mkdir -p {out}/bench && cp /tmp/specbench/state.json /tmp/specbench/benchmarks.* {out}/bench/ 2>/dev/null; "
-                       f"[ -f {BENCH_LOG} ] && tail -c 30000 {BENCH_LOG} > {out}/bench/bench.log", shell=True)
+    if out:  # one tarball: a device call returns at most 8 files from $OUT
+        pack = "/tmp/scale-pack"
+        subprocess.run(f"rm -rf {pack}; mkdir -p {pack}/bench; cp -r {RESULTS} {pack}/ 2>/dev/null; "
+                       f"cp {ROOT}/progress.log {pack}/ 2>/dev/null; "
+                       f"for f in {ROOT}/train-*.log {ROOT}/arms.log {ROOT}/ddp.log {ROOT}/specforge.log {ROOT}/pipeline.log; "
+                       f"do [ -f $f ] && tail -c 30000 $f > {pack}/$(basename $f); done; "
+                       f"cp /tmp/specbench/state.json /tmp/specbench/benchmarks.* {pack}/bench/ 2>/dev/null; "
+                       f"[ -f {BENCH_LOG} ] && tail -c 30000 {BENCH_LOG} > {pack}/bench/bench.log; "
+                       f"tar czf {out}/scale.tgz -C {pack} .", shell=True)
     tail = open(f"{ROOT}/pipeline.log", errors="replace").read()[-1500:] if os.path.exists(f"{ROOT}/pipeline.log") else ""
     print("--- pipeline.log tail ---\n" + tail.replace("\r", "\n")[-1500:])
     return 0
