@@ -16,8 +16,11 @@ import check_scale_target, check_serving as CS, scale_pipeline as SP, serverlib
 from training.train_draft import parse_args
 from sglang.srt.server_args import ServerArgs
 
-args = parse_args(SP.TRAIN_COMMON + SP.TRAIN_DATA + ["--work", "/tmp/w", "--draft-format", "mla", "--out", "/tmp/o",
-                                                      "--regen-server", "http://x", "--regen-concurrency", "256"])
+import time
+args = parse_args(SP.trainer_args("mla", "/tmp/w", "http://x"))
+SP.DEADLINE = time.time() + 510  # 510 s left; reserved: 330 s (regeneration, features) and 240 s after training
+short = parse_args(SP.trainer_args("mla", "/tmp/w", "http://x")).max_train_minutes
+late = parse_args(SP.trainer_args("mla", "/tmp/w", None)).max_train_minutes
 p = argparse.ArgumentParser()
 ServerArgs.add_cli_args(p)
 lines = {}
@@ -31,7 +34,7 @@ os.environ["GPU_CHECK_TP"] = "2"
 a = p.parse_args(serverlib.BASE_ARGS + CS.arm_args("mla-tree"))
 tp2 = [a.tp_size, a.enforce_disable_flashinfer_allreduce_fusion]
 print(json.dumps({"train": [args.batch_tokens, args.profile_steps, args.max_train_minutes, args.ttt_steps,
-                            args.draft_format], "arms": lines, "tp2": tp2}))
+                            args.draft_format, args.regen_server, short, late], "arms": lines, "tp2": tp2}))
 """
 
 
@@ -40,7 +43,8 @@ def test_gpu_script_command_lines_parse():
     p = subprocess.run([sys.executable, "-c", CHECK], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["train"] == [16384, 3, 5.0, 7, "mla"]  # the pipeline passes --device cuda: the GPU defaults
+    # the pipeline passes --device cuda: the GPU defaults; TRAIN_MINUTES (5) is cut to what the deadline leaves
+    assert r["train"] == [16384, 3, 5.0, 7, "mla", "http://x", 1.0, 4.5]
     arms = r["arms"]
     assert arms["target"][0] is None and arms["mha-chain"][:2] == ["EAGLE3", 1] and arms["mla-tree"][1] == 4
     assert arms["mha-chain-no-overlap"][2] is True and arms["mha-chain"][2] is False

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from sglang_ext.core.heads import Eagle3Head
-from sglang_ext.core.layers import KVCache
+from sglang_ext.core.ttt_attention import TTTCache
 from training.features import Features, cut_by_length
 
 
@@ -149,10 +149,12 @@ def attention_kernels(device):
 
 
 def ttt_loss(head: Eagle3Head, f: Features | list[Features], lm_rows: torch.Tensor, steps: int, decay: float, device,
-             autocast: bool = False, pad_multiple: int | None = None) -> tuple[torch.Tensor, list[float], list[int]]:
+             autocast: bool = False, pad_multiple: int | None = None, fused_attention: bool | None = None,
+             ) -> tuple[torch.Tensor, list[float], list[int]]:
     """(loss, per-step accuracy sums, per-step counts) for one sequence, or for a right-padded batch of
     them (rows never see each other; padding lanes are never selected, and a real lane only ever
-    attends to real lanes), the loss being the mean over all selected lanes of the batch."""
+    attends to real lanes), the loss being the mean over all selected lanes of the batch.
+    fused_attention=False: the unroll's attention through a dense mask (the reference; same function)."""
     recs = [f] if isinstance(f, Features) else list(f)
     B = len(recs)
     lens = [len(r.input_ids) for r in recs]
@@ -194,16 +196,14 @@ def ttt_loss(head: Eagle3Head, f: Features | list[Features], lm_rows: torch.Tens
         tgt = F.softmax(dev(final).float() @ lm_rows.T, dim=-1)  # [B, T, Vd]
     pos = torch.arange(L, device=device)[None].expand(B, L)
     rows = torch.arange(B, device=device)[:, None]
-    cache = KVCache()
+    # lane t of step k attends to x_0..x_t and to its own lane in steps 1..k (core/ttt_attention.py)
+    cache = TTTCache(fused=fused_attention)
     total, hits, cnt = 0.0, [], []
-    causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
-    eye = torch.eye(L, dtype=torch.bool, device=device)
-    with attention_kernels(device):
+    # one autocast region for the whole unroll: each weight is cast to bf16 once per call, not once per step
+    with attention_kernels(device), torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
         for k, (b_sel, t_sel, target_pos) in enumerate(selected):
             tok = ids[rows, (pos + k + 1).clamp(max=T - 1)]  # the token fed at lane t: x_{t+k+1}
-            attn_mask = torch.cat([causal] + [eye] * k, dim=1)
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-                out = head(tok, hidden, pos + k, cache, attn_mask)
+            out = head(tok, hidden, pos + k, cache)
             cnt.append(len(b_sel))
             if len(b_sel):
                 b_sel, t_sel, target_pos = dev(b_sel), dev(t_sel), dev(target_pos)
@@ -270,7 +270,8 @@ def load_checkpoint(path: str, head: Eagle3Head, opt: torch.optim.Optimizer) -> 
     for k, v in t.items():
         if k.startswith("optim."):
             name, key = k[len("optim."):].rsplit(".", 1)
-            opt.state[params[name]][key] = v.to(params[name].device) if key != "step" else v
+            on_device = key != "step" or opt.defaults.get("fused")  # fused AdamW keeps its step beside the weights
+            opt.state[params[name]][key] = v.to(params[name].device) if on_device else v
     torch.set_rng_state(t["rng.cpu"])
     if "rng.cuda" in t and torch.cuda.is_available():
         torch.cuda.set_rng_state(t["rng.cuda"])
@@ -324,7 +325,8 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # fused on CUDA: one kernel over all parameters instead of a dozen foreach passes
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
     lm_rows = target_lm_head.to(device).float()[head.target_logits_index()]
     # units of one forward: a conversation, or a batch of them (fixed once, from the seed)
     if cfg.batch_tokens > 0:

@@ -28,6 +28,7 @@ from torch import nn
 
 from sglang_ext.conventions import CONVENTION_FIELD, LAYER_IDS_FIELD, ConfigError, parse_draft
 from sglang_ext.core.layers import MLP, KVCache, RMSNorm, RotaryEmbedding, attention, rope_parameters
+from sglang_ext.core.ttt_attention import TTTCache
 
 MHA_ARCH = "LlamaForCausalLMEagle3"
 MLA_ARCH = "Eagle3DeepseekV2ForCausalLM"
@@ -181,15 +182,13 @@ class MHAAttention(nn.Module):
         self.rope = RotaryEmbedding(self.head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=False)
         self.scale = self.head_dim ** -0.5 * self.rope.softmax_scale_factor
 
-    def forward(self, x, positions, cache: KVCache | None, mask):
+    def forward(self, x, positions, cache: KVCache | TTTCache | None, mask):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        if cache is not None:
-            k, v = cache.append(k, v)
-        out = attention(q, k, v, mask, self.scale)
+        out = attention(q, k, v, mask, self.scale) if cache is None else cache.attend(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -222,7 +221,7 @@ class MLAAttention(nn.Module):
         self.rope = RotaryEmbedding(self.rope_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=True)
         self.scale = qk ** -0.5 * self.rope.softmax_scale_factor
 
-    def forward(self, x, positions, cache: KVCache | None, mask):
+    def forward(self, x, positions, cache: KVCache | TTTCache | None, mask):
         b, t, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
         q = q.view(b, t, self.n_heads, -1).transpose(1, 2)
@@ -234,9 +233,7 @@ class MLAAttention(nn.Module):
         k_pe = self.rope(k_pe.view(b, 1, t, self.rope_dim), positions).expand(b, self.n_heads, t, self.rope_dim)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe], dim=-1)
-        if cache is not None:
-            k, v = cache.append(k, v)
-        out = attention(q, k, v, mask, self.scale)
+        out = attention(q, k, v, mask, self.scale) if cache is None else cache.attend(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

