@@ -5,7 +5,8 @@
 #            .gpu-state, so nothing trains) and, on GPU 1, more check_serving arms on the same target
 #            (DET_ARMS, if any), then the Kimi-shaped benchmark arms at TP=1 (P1_BENCH_ARMS: by default the
 #            protection's profile, no speculation vs the protected zero-acceptance arm), which also build the
-#            Kimi-shaped target and heads for phase 2;
+#            Kimi-shaped target and heads for phase 2, then our training step against SpecForge's
+#            (training/bench_vs_specforge.py; TP_SPECFORGE=0: not; needs .gpu-state/wheels carried);
 #   phase 2, both GPUs: the check_serving arms TP=1 finished, at TP=2 (same target, heads, prompts), then
 #            tests/gpu/compare_tp.py (TP=2 vs TP=1: partings scored by TP=1's gaps, acceptance, per-position
 #            counts, views, invariant), the Kimi-shaped benchmark arms at TP=2 (TP_BENCH_ARMS; empty: none),
@@ -30,7 +31,7 @@ watch() {
   if [ -n "$OUT" ]; then  # one tarball: $OUT has a file-count limit (~8 files come back)
     local pack=/tmp/tp-pack
     rm -rf $pack && mkdir -p $pack
-    for f in $TP/progress.log $TP/compare.txt $TP/feature_server.json $TP/ddp.json $TP/*.md /tmp/tp1.json /tmp/tp2/state.json /tmp/det1/state.json \
+    for f in $TP/progress.log $TP/compare.txt $TP/feature_server.json $TP/ddp.json $TP/specforge.json $TP/*.md /tmp/tp1.json /tmp/tp2/state.json /tmp/det1/state.json \
              /tmp/tpbench1/state.json /tmp/tpbench2/state.json; do
       [ -f "$f" ] && cp "$f" "$pack/$(echo "$f" | tr / _ | sed 's/^_//')"
     done
@@ -57,6 +58,7 @@ P1_BENCH_ARMS=${P1_BENCH_ARMS-"nospec zero-accept-protected-verify-decode"}
 P1_BENCH_OPTS=${P1_BENCH_OPTS:-"--concurrency 1,32,128 --repeats 1 --profile-at nospec:1,zero-accept-protected-verify-decode:1"}
 TP_FEATURE=${TP_FEATURE:-0}
 TP_DDP=${TP_DDP:-1}
+TP_SPECFORGE=${TP_SPECFORGE:-1}
 # session 7 served MHA chain, MLA chain and MHA tree on the Kimi-shaped target at TP=2
 BENCH_ARMS=${TP_BENCH_ARMS-"plugin-mla-tree plugin-fp8"}
 LEVELS=${TP_LEVELS:-"1,8,32"}
@@ -93,6 +95,13 @@ say "phase 1: TP=1 check_serving ($ARMS) on GPU 0; GPU 1: check arms ($DET_ARMS)
   elif [ -n "$BENCH_ARMS" ]; then  # GPU 1 is free before GPU 0: build for phase 2's TP=2 arms now
     CUDA_VISIBLE_DEVICES=1 SPEC_BENCH_WORK=/tmp/tpbench1 python -m eval.spec_bench build > $TP/bench-build.log 2>&1
     say "Kimi-shaped build rc \$?"
+  fi
+  # our training step against SpecForge's (the trainer issue), if its wheel was carried (.gpu-state/wheels)
+  if [ "$TP_SPECFORGE" = 1 ] && ls $PWD/.gpu-state/wheels/specforge-*.whl > /dev/null 2>&1; then
+    pip install -q --no-deps --no-index --target /tmp/sfsite $PWD/.gpu-state/wheels/specforge-*.whl > /dev/null 2>&1
+    CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/tmp/sfsite:\$PYTHONPATH python -m training.bench_vs_specforge --profile --dense-too \
+      --json $TP/specforge.json > $TP/specforge.log 2>&1
+    say "SpecForge comparison rc \$?"; grep -A5 "^trainer " $TP/specforge.log >> $TP/progress.log
   fi ) &
 wait
 cp /tmp/tp1/state.json /tmp/tp1.json
