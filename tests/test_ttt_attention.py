@@ -93,3 +93,25 @@ def test_trainer_loss_and_gradients_do_not_depend_on_the_attention_path(fmt):
     assert a1 == a2 and c1 == c2
     for x, y in zip(g1, g2):
         torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-5)
+
+
+def test_under_bf16_autocast_the_fused_path_runs_and_agrees():
+    """The trainer's GPU mode is bf16 autocast: the fused path must take the head's bf16 q/k/v (not fall
+    back to the dense path) and agree with the dense path to bf16 rounding; its merge stays in fp32."""
+    from sglang_ext.core import tiny, ttt_attention as T
+    from training.features import Features
+    from training.trainer import ttt_loss
+
+    cfg = tiny.deepseek_v3_config(num_layers=3, hidden=64, vocab=300, moe_layers=0)
+    torch.manual_seed(0)
+    head = Eagle3Head(head_config_for(cfg, "mha", [0, 1, 2], draft_vocab_size=128))
+    g = torch.Generator().manual_seed(7)
+    feats = [Features(torch.randint(0, 300, (40,), generator=g), torch.ones(40, dtype=torch.uint8),
+                      torch.randn(40, 192, generator=g), torch.randn(40, 64, generator=g))]
+    lm_rows = torch.randn(128, 64, generator=g)
+    T.PATHS_USED.clear()
+    fused = ttt_loss(head, feats, lm_rows, 4, 0.8, torch.device("cpu"), autocast=True)[0]
+    assert T.PATHS_USED == {"fused"}
+    dense = ttt_loss(head, feats, lm_rows, 4, 0.8, torch.device("cpu"), autocast=True, fused_attention=False)[0]
+    assert T.PATHS_USED == {"fused", "dense"}
+    torch.testing.assert_close(fused, dense, rtol=2e-2, atol=1e-3)

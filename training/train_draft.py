@@ -343,7 +343,8 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
           f"({tokens_per_s:.0f} tokens/s, {metrics.get('epochs', 0):.2f} epochs); last loss {metrics.get('loss', 0):.3f}"
           + (f"; schedule fitted to --max-train-minutes ({metrics['total_steps']} of {metrics['planned_steps']} "
              "planned steps)" if metrics.get("planned_steps", 0) > metrics.get("total_steps", 0) else "")
-          + (" -- stopped early by --max-train-minutes" if metrics.get("stopped_early") else ""))
+          + (" -- stopped early by --max-train-minutes" if metrics.get("stopped_early") else "")
+          + f"; TTT attention {'+'.join(metrics.get('ttt_attention', [])) or '-'}")
 
     if rank != 0:  # every rank holds the same weights; rank 0 exports and measures
         return 0

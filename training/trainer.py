@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from sglang_ext.core.heads import Eagle3Head
-from sglang_ext.core.ttt_attention import TTTCache
+from sglang_ext.core.ttt_attention import PATHS_USED as TTT_PATHS_USED, TTTCache
 from training.features import Features, cut_by_length
 
 
@@ -447,6 +447,7 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     bar.close()
     if profiler is not None:
         _log_profile(profiler, device, step - first_step - 2, log)
+    metrics["ttt_attention"] = sorted(TTT_PATHS_USED)  # "fused" unless the kernel was unavailable
     return metrics
 
 

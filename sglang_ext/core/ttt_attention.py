@@ -58,12 +58,14 @@ class _CausalPlusDiagonal(torch.autograd.Function):
     def forward(ctx, q, k0, v0, kd, vd, scale):
         dv, acc = v0.shape[-1], torch.promote_types(q.dtype, torch.float32)  # acc: the merge's precision
         v0p = F.pad(v0, (0, q.shape[-1] - dv)) if dv != q.shape[-1] else v0
-        o_c, lse_c, aux = _flash_forward(q, k0, v0p, scale)
-        d = torch.einsum("bhld,bhlnd->bhln", q.to(acc), kd.to(acc)) * scale
-        lse = torch.logaddexp(lse_c, torch.logsumexp(d, dim=-1))
-        out = torch.exp(lse_c - lse)[..., None] * o_c[..., :dv].to(acc) + \
-            torch.einsum("bhln,bhlnd->bhld", torch.exp(d - lse[..., None]), vd.to(acc))
-        out = out.to(q.dtype)
+        # the merge in `acc` as written: under the trainer's autocast einsum would drop to bf16
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            o_c, lse_c, aux = _flash_forward(q, k0, v0p, scale)
+            d = torch.einsum("bhld,bhlnd->bhln", q.to(acc), kd.to(acc)) * scale
+            lse = torch.logaddexp(lse_c, torch.logsumexp(d, dim=-1))
+            out = torch.exp(lse_c - lse)[..., None] * o_c[..., :dv].to(acc) + \
+                torch.einsum("bhln,bhlnd->bhld", torch.exp(d - lse[..., None]), vd.to(acc))
+            out = out.to(q.dtype)
         ctx.save_for_backward(q, k0, v0p, kd, vd, out, lse, *[a for a in aux if torch.is_tensor(a)])
         ctx.aux = aux
         ctx.scale, ctx.dv = scale, dv
@@ -94,6 +96,7 @@ class _CausalPlusDiagonal(torch.autograd.Function):
 
 
 _CHECKED: dict[tuple, bool] = {}
+PATHS_USED: set[str] = set()  # which paths this process ran (the trainer reports it)
 
 
 def _fused_usable(q: torch.Tensor) -> bool:
@@ -107,7 +110,10 @@ def _fused_usable(q: torch.Tensor) -> bool:
         return False
     key = (q.device.type, q.device.index, q.dtype, q.shape[-1])
     if q.is_cuda and key not in _CHECKED:
-        _CHECKED[key] = _self_check(q.device, q.dtype, q.shape[-1])
+        try:
+            _CHECKED[key] = _self_check(q.device, q.dtype, q.shape[-1])
+        except RuntimeError:  # e.g. a kernel that refuses these shapes
+            _CHECKED[key] = False
         if not _CHECKED[key]:
             warnings.warn(f"TTT attention: the fused causal kernel disagrees with the dense path for {key}; "
                           "using the dense path (slower, same result)")
@@ -138,6 +144,7 @@ def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor
     heads, L = q.shape[1], q.shape[2]
     if fused is None:
         fused = _fused_usable(q)
+    PATHS_USED.add("fused" if fused else "dense")
     if not fused:
         k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
         causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
