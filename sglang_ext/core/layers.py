@@ -161,11 +161,14 @@ def causal_mask(t_new: int, s_total: int, device=None) -> torch.Tensor:
     return torch.arange(s_total, device=device)[None, :] <= q
 
 
+def expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query keys/values [B, Hkv, S, D] -> [B, heads, S, D] (as is when already that wide)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
 def attention(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q [B,Hq,T,D], k/v [B,Hkv,S,D*], mask [T,S] or [B,T,S] bool (True = may attend)."""
-    if k.shape[1] != q.shape[1]:  # grouped-query attention
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    k, v = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
     if mask is None:
         mask = causal_mask(q.shape[2], k.shape[2], q.device)
     if mask.dim() == 3:

@@ -11,7 +11,7 @@ The backward calls the causal kernel's backward with the merged output and log-s
 does for each key block), which gives the exact gradient of the merged softmax, and the diagonal's
 gradient in closed form. SpecForge reaches the same sparsity with flex attention and a block mask.
 
-Used by the trainer only (`TTTCache` in `training.trainer.ttt_loss`); the dense path (`dense=True`, and
+Used by the trainer only (`TTTCache` in `training.trainer.ttt_loss`); the dense path (`fused=False`, and
 wherever the fused kernel is unavailable: fp32 on CUDA, head dims it does not take) computes the same
 function and is what the tests compare against.
 """
@@ -23,12 +23,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from sglang_ext.core.layers import attention
-
-
-def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Grouped-query keys/values [B, Hkv, L, D] -> [B, heads, L, D]."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+from sglang_ext.core.layers import attention, expand_kv_heads
 
 
 def _flash_forward(q, k, v, scale):
@@ -150,13 +145,13 @@ def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor
         causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
         eye = torch.eye(L, dtype=torch.bool, device=q.device)
         return attention(q, k, v, torch.cat([causal] + [eye] * (len(ks) - 1), dim=1), scale)
-    k0, v0 = _expand_heads(ks[0], heads), _expand_heads(vs[0], heads)
+    k0, v0 = expand_kv_heads(ks[0], heads), expand_kv_heads(vs[0], heads)
     if len(ks) == 1:
         dv = v0.shape[-1]
         v0p = F.pad(v0, (0, q.shape[-1] - dv)) if dv != q.shape[-1] else v0
         return F.scaled_dot_product_attention(q, k0, v0p, is_causal=True, scale=scale)[..., :dv]
-    kd = torch.stack([_expand_heads(k, heads) for k in ks[1:]], dim=3)
-    vd = torch.stack([_expand_heads(v, heads) for v in vs[1:]], dim=3)
+    kd = torch.stack([expand_kv_heads(k, heads) for k in ks[1:]], dim=3)
+    vd = torch.stack([expand_kv_heads(v, heads) for v in vs[1:]], dim=3)
     return _CausalPlusDiagonal.apply(q.contiguous(), k0.contiguous(), v0.contiguous(), kd, vd, scale)
 
 
@@ -178,6 +173,7 @@ class TTTCache:
         if self.k and k.shape[2] != self.k[0].shape[2]:
             raise ValueError(f"TTTCache: step of {k.shape[2]} lanes after steps of {self.k[0].shape[2]}; "
                              "every unroll step covers the same lanes")
-        self.k.append(k)
-        self.v.append(v)
+        # grouped-query blocks widened once here, not once per later step that reads them
+        self.k.append(expand_kv_heads(k, q.shape[1]))
+        self.v.append(expand_kv_heads(v, q.shape[1]))
         return ttt_attention(q, self.k, self.v, scale, self.fused)

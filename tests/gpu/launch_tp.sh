@@ -31,7 +31,7 @@ watch() {
   if [ -n "$OUT" ]; then  # one tarball: $OUT has a file-count limit (~8 files come back)
     local pack=/tmp/tp-pack
     rm -rf $pack && mkdir -p $pack
-    for f in $TP/progress.log $TP/compare.txt $TP/feature_server.json $TP/ddp.json $TP/specforge.json $TP/*.md /tmp/tp1.json /tmp/tp2/state.json /tmp/det1/state.json \
+    for f in $TP/progress.log $TP/compare.txt $TP/feature_server.json $TP/ddp.json $TP/specforge.json $TP/specforge.txt $TP/*.md /tmp/tp1.json /tmp/tp2/state.json /tmp/det1/state.json \
              /tmp/tpbench1/state.json /tmp/tpbench2/state.json; do
       [ -f "$f" ] && cp "$f" "$pack/$(echo "$f" | tr / _ | sed 's/^_//')"
     done
@@ -97,11 +97,10 @@ say "phase 1: TP=1 check_serving ($ARMS) on GPU 0; GPU 1: check arms ($DET_ARMS)
     say "Kimi-shaped build rc \$?"
   fi
   # our training step against SpecForge's (the trainer issue), if its wheel was carried (.gpu-state/wheels)
-  if [ "$TP_SPECFORGE" = 1 ] && ls $PWD/.gpu-state/wheels/specforge-*.whl > /dev/null 2>&1; then
-    pip install -q --no-deps --no-index --target /tmp/sfsite $PWD/.gpu-state/wheels/specforge-*.whl > /dev/null 2>&1
-    CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/tmp/sfsite:\$PYTHONPATH python -m training.bench_vs_specforge --profile --dense-too \
-      --json $TP/specforge.json > $TP/specforge.log 2>&1
-    say "SpecForge comparison rc \$?"; grep -A5 "^trainer " $TP/specforge.log >> $TP/progress.log
+  if [ "$TP_SPECFORGE" = 1 ]; then  # the scale pipeline's step (installs the wheel; writes /tmp/scale/results)
+    CUDA_VISIBLE_DEVICES=1 python tests/gpu/scale_pipeline.py specforge > $TP/specforge.log 2>&1
+    say "SpecForge comparison rc \$?"; cp /tmp/scale/results/specforge.* $TP/ 2>/dev/null
+    grep -A5 "^trainer " $TP/specforge.txt >> $TP/progress.log 2>/dev/null || true
   fi ) &
 wait
 cp /tmp/tp1/state.json /tmp/tp1.json
