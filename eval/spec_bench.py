@@ -268,7 +268,10 @@ def profile_level(srv, ps: list[str], concurrency: int, output_len: int, steps: 
     load = threading.Thread(target=measure, args=(srv.url, ps, concurrency, [output_len] * len(ps)))
     load.start()
     time.sleep(3)  # past the prefills: decode steps at full concurrency
-    srv.post("/start_profile", {"output_dir": out_dir, "num_steps": steps, "activities": ["CPU", "GPU"]})
+    # without stacks and shapes (SGLang's defaults record both): their host cost would make the steps look
+    # more host-bound than they are; kernel times are unaffected
+    srv.post("/start_profile", {"output_dir": out_dir, "num_steps": steps, "activities": ["CPU", "GPU"],
+                                "with_stack": False, "record_shapes": False})
     load.join()
     for _ in range(120):  # the trace is written after the last profiled step
         new = sorted(set(glob.glob(f"{out_dir}/**/*.json*", recursive=True)) - before)
@@ -280,7 +283,7 @@ def profile_level(srv, ps: list[str], concurrency: int, output_len: int, steps: 
 
 
 def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_len: int, max_bs: int,
-            mem_fraction: float, port: int, profile_at: int | None = None) -> dict:
+            mem_fraction: float, port: int, profile_at: set[int] = frozenset()) -> dict:
     os.environ["GPU_CHECK_PORT"] = str(port)
     Server = serverlib().Server
 
@@ -304,10 +307,11 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
                 print(f"[bench] {arm} c={c}: {statistics.mean(tps):.1f} tok/s (min {min(tps):.1f}, max {max(tps):.1f}), "
                       f"TPOT {1e3 * statistics.mean(r['tpot_mean_s'] for r in runs):.2f} ms, accepted drafts/step "
                       f"{runs[-1]['accepted_drafts_per_step']}", flush=True)
-                if c == profile_at:
-                    row["profile"] = profile_level(srv, prompts(4 * c, input_len, seed=c + 1), c, output_len, 10,
-                                                   f"{WORK}/profiles/{arm}")
-                    print(f"[bench] {arm} c={c} profile: {json.dumps(row['profile'])}", flush=True)
+                if c in profile_at:
+                    prof = profile_level(srv, prompts(4 * c, input_len, seed=c + 1), c, output_len, 10,
+                                         f"{WORK}/profiles/{arm}-c{c}")
+                    row.setdefault("profiles", {})[str(c)] = prof
+                    print(f"[bench] {arm} c={c} profile: {json.dumps(prof)}", flush=True)
         except Exception as e:  # noqa: BLE001 -- the server died mid-run (e.g. out of memory): keep the others
             row["error"] = f"{e!r} at concurrency {c}\n" + srv.log()[-3000:]
         log = srv.log()
@@ -318,19 +322,20 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
     return row
 
 
-def profile_level_of(spec: str | None, arm: str) -> int | None:
-    """--profile-at: "64" profiles every arm at 64 requests; "nospec:1,plugin-chain:64" only those arms."""
+def profile_levels_of(spec: str | None, arm: str) -> set[int]:
+    """--profile-at: "64" profiles every arm at 64 requests; "nospec:1,plugin-chain:64" only those arms; an arm
+    named twice ("nospec:1,nospec:32") is profiled at both levels."""
     if not spec:
-        return None
+        return set()
     if ":" not in spec:
-        return int(spec)
-    levels = {}
+        return {int(spec)}
+    levels: dict[str, set[int]] = {}
     for part in spec.split(","):
         name, _, level = part.partition(":")
         if name not in ARMS or not level.isdigit():
             raise SystemExit(f"--profile-at {spec!r}: {part!r} is not ARM:CONCURRENCY with ARM one of {list(ARMS)}")
-        levels[name] = int(level)
-    return levels.get(arm)
+        levels.setdefault(name, set()).add(int(level))
+    return levels.get(arm, set())
 
 
 def adaptive_facts(log: str) -> dict | None:
@@ -439,13 +444,16 @@ def report(out_md: str) -> dict:
         for k, p in pools.items():
             lines.append(f"| {k} | {p.get('draft_bytes_per_token', '—')} | {p.get('draft_pool_tokens', '—')} | "
                          f"{p.get('draft_pool_gib', '—')} | {p.get('max_running_requests', '—')} |")
-    profiles = {k: v["profile"] for k, v in arms.items() if v.get("profile") and "window_ms" in v["profile"]}
+    profiles = [(k, c, p) for k, v in arms.items()
+                for c, p in (v.get("profiles") or ({"?": v["profile"]} if v.get("profile") else {})).items()
+                if "window_ms" in p]  # "profile": a state written before several levels could be profiled
     if profiles:
         lines += ["", "Profiles (10 scheduler steps at full concurrency; GPU busy = union of kernel time / window):", "",
-                  "| arm | window ms/step | GPU busy ms/step | busy fraction | top kernels (ms/step) |", "|---|---|---|---|---|"]
-        for k, p in profiles.items():
+                  "| arm | concurrency | window ms/step | GPU busy ms/step | busy fraction | top kernels (ms/step) |",
+                  "|---|---|---|---|---|---|"]
+        for k, c, p in profiles:
             tops = "; ".join(f"{n[:40]} {t}" for n, t in p["top_kernels_ms_per_step"][:4])
-            lines.append(f"| {k} | {p['window_ms'] / p['steps']:.2f} | {p['gpu_busy_ms'] / p['steps']:.2f} | "
+            lines.append(f"| {k} | {c} | {p['window_ms'] / p['steps']:.2f} | {p['gpu_busy_ms'] / p['steps']:.2f} | "
                          f"{p['gpu_busy_fraction']:.2f} | {tops} |")
     adaptive = {k: v["adaptive"] for k, v in arms.items() if v.get("adaptive")}
     for k, a in adaptive.items():  # what a protected arm's speed is made of
@@ -518,7 +526,7 @@ def main(argv=None) -> int:
     al.add_argument("--redo", default="", help="comma-separated arms to measure again even if the state has them")
     al.add_argument("arms", nargs="*", metavar="ARM", help=f"default: {' '.join(PRIORITY)}")
     args = ap.parse_args(argv)
-    profile_level_of(getattr(args, "profile_at", None), "nospec")  # a malformed value fails before any server
+    profile_levels_of(getattr(args, "profile_at", None), "nospec")  # a malformed value fails before any server
     if args.cmd == "all":
         unknown = [a for a in args.arms if a not in ARMS]
         if unknown:
@@ -555,7 +563,7 @@ def main(argv=None) -> int:
                 continue
             row = run_arm(arm, [int(c) for c in args.concurrency.split(",")], args.repeats, args.input_len,
                           args.output_len, args.max_bs, args.mem_fraction_static, args.port,
-                          profile_level_of(args.profile_at, arm))
+                          profile_levels_of(args.profile_at, arm))
             state.setdefault("arms", {})[arm] = row
             json.dump(state, open(state_path, "w"))
             if "error" in row:  # the next arm may still run (each arm is its own server)

@@ -49,6 +49,10 @@ if __name__ == "__main__":
     tokens = torch.tensor([float(metrics.get("tokens_trained", 0))], device=device)
     dist.all_reduce(tokens)  # every rank's share: the tokens of the global batch
     metrics["tokens_trained"] = int(tokens.item())
+    if "steady" in metrics:  # the same for the steps after the warm-up (all ranks run the same steps)
+        steady = torch.tensor([float(metrics["steady"]["tokens"])], device=device)
+        dist.all_reduce(steady)
+        metrics["steady"]["tokens"] = int(steady.item())
     if rank == 0:
         save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()},
                   os.path.join(d, "trained.safetensors"))

@@ -159,3 +159,35 @@ def test_check_ddp_runs_on_the_cpu(tmp_path):
     r = json.load(open(tmp_path / "ddp.json"))["runs"]["fp32, equality"]
     assert r["two_ranks"]["tokens_trained"] == r["one_process"]["tokens_trained"] > 0
     assert r["max_update"] > 0 and r["max_diff_relative_to_update"] < 1e-2
+
+
+def test_server_post_reads_json_and_plain_text_answers():
+    """SGLang's /start_profile answers plain text ("Start profiling."); session 9's benchmark parsed it as JSON,
+    failed, and stopped the server mid-run. Server.post returns JSON answers decoded and others as text."""
+    import http.server
+    import threading
+
+    sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+    import serverlib
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b"Start profiling.\n" if self.path == "/start_profile" else b'{"text": "ok"}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        srv = serverlib.Server.__new__(serverlib.Server)  # a client of this stub, no SGLang process
+        srv.url = f"http://127.0.0.1:{httpd.server_port}"
+        assert srv.post("/generate", {"text": "hi"}) == {"text": "ok"}
+        assert srv.post("/start_profile", {"num_steps": 10}) == "Start profiling.\n"
+    finally:
+        httpd.shutdown()

@@ -82,13 +82,16 @@ def test_report_from_a_state(tmp_path, monkeypatch):
     assert "| 32 | 1.006" in text and "of the bound" in text and (tmp_path / "benchmarks.png").exists()
     # a failed arm is named with its first error line; a profile is summarised
     state["arms"]["plugin-tree"] = {"levels": {}, "error": "OutOfMemoryError() at concurrency 32\nlog tail"}
-    state["arms"]["plugin-chain"]["profile"] = {"window_ms": 100.0, "gpu_busy_ms": 40.0, "gpu_busy_fraction": 0.4,
-                                                "steps": 10, "top_kernels_ms_per_step": [["gemm", 2.5]]}
+    prof = {"window_ms": 100.0, "gpu_busy_ms": 40.0, "gpu_busy_fraction": 0.4, "steps": 10,
+            "top_kernels_ms_per_step": [["gemm", 2.5]]}
+    state["arms"]["plugin-chain"]["profiles"] = {"1": prof, "32": dict(prof, gpu_busy_ms=90.0, gpu_busy_fraction=0.9)}
+    state["arms"]["nospec"]["profile"] = prof  # a state written before several levels could be profiled
     json.dump(state, open(tmp_path / "state.json", "w"))
     sb.report(str(tmp_path / "benchmarks.md"))
     text = (tmp_path / "benchmarks.md").read_text()
     assert "`plugin-tree`: OutOfMemoryError() at concurrency 32" in text
-    assert "| plugin-chain | 10.00 | 4.00 | 0.40 | gemm 2.5 |" in text
+    assert "| plugin-chain | 1 | 10.00 | 4.00 | 0.40 | gemm 2.5 |" in text
+    assert "| plugin-chain | 32 | 10.00 | 9.00 | 0.90 | gemm 2.5 |" in text and "| nospec | ? | 10.00 | 4.00 |" in text
     # a protected arm's policy summaries are in the report
     state["arms"]["zero-accept"]["adaptive"] = {"decisions": 3, "runtime_state_switches": 5, "last_decisions": [],
                                                 "summaries": ["last 30s, batch 1-1: steps [depth 0: 3900]"]}
@@ -160,11 +163,11 @@ def test_adaptive_facts_from_a_server_log():
 
 
 def test_profile_levels_for_every_arm_or_some():
-    from eval.spec_bench import profile_level_of
+    from eval.spec_bench import profile_levels_of
 
-    assert profile_level_of(None, "nospec") is None and profile_level_of("64", "plugin-chain") == 64
-    spec = "nospec:1,zero-accept-protected-verify-decode:64"
-    assert profile_level_of(spec, "nospec") == 1 and profile_level_of(spec, "plugin-chain") is None
-    assert profile_level_of(spec, "zero-accept-protected-verify-decode") == 64
+    assert profile_levels_of(None, "nospec") == set() and profile_levels_of("64", "plugin-chain") == {64}
+    spec = "nospec:1,zero-accept-protected-verify-decode:64,nospec:32"
+    assert profile_levels_of(spec, "nospec") == {1, 32} and profile_levels_of(spec, "plugin-chain") == set()
+    assert profile_levels_of(spec, "zero-accept-protected-verify-decode") == {64}
     with pytest.raises(SystemExit, match="nospek"):
-        profile_level_of("nospek:1", "nospec")
+        profile_levels_of("nospek:1", "nospec")

@@ -410,7 +410,8 @@ def test_data_parallel_training_equals_one_process_with_the_same_global_batch(ti
 
 def test_train_draft_under_torchrun_rank0_prepares_and_exports(tmp_path):
     """`torchrun --nproc_per_node 2 -m training.train_draft ...` on the CPU: rank 0 regenerates and
-    captures while rank 1 waits, both train, rank 0 alone exports and reports."""
+    captures while rank 1 waits, both train, rank 0 alone exports and reports. With --regen-samples 2
+    every training prompt gets a second, sampled response; the held-out prompt keeps one."""
     import gzip
     import subprocess
     import sys
@@ -429,15 +430,17 @@ def test_train_draft_under_torchrun_rank0_prepares_and_exports(tmp_path):
                         "--max-new-tokens", "8", "--draft-vocab-size", "128", "--epochs", "1", "--ttt-steps", "2",
                         "--eval-data", str(tmp_path / "gsm.jsonl"), "--eval-prompts", "2", "--eval-max-new-tokens", "8",
                         "--device", "cpu", "--batch-tokens", "128", "--max-train-minutes", "0",  # ranks stop together
-                        "--data", f"messages:{tmp_path / 'sg.jsonl.gz'}",
+                        "--data", f"messages:{tmp_path / 'sg.jsonl.gz'}", "--regen-samples", "2",
                         "--work", str(tmp_path / "work"), "--out", str(tmp_path / "head")],
                        capture_output=True, text=True, timeout=300,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert p.stdout.count("[train-draft] regenerated") == 1 and p.stdout.count("[train-draft] exported") == 1
     report = json.load(open(tmp_path / "head" / "training_report.json"))
-    assert report["world_size"] == 2 and report["train_conversations"] > 0
+    assert report["world_size"] == 2 and report["train_conversations"] == 2 * 11  # 12 prompts, 1 held out
     assert report["final_metrics"]["step"] == 1 and report["final_metrics"]["stopped_early"]
+    ids = [json.loads(line)["id"] for line in open(tmp_path / "work" / "regenerated.jsonl")]
+    assert len(ids) == 23 and sorted(i for i in ids if "#s" in i) == sorted(f"{i}#s1" for i in range(1, 12))
 
 
 def test_fit_total_lays_the_schedule_over_the_time_left():

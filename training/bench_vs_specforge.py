@@ -3,7 +3,10 @@ trainer), on the same head size, sequence length, batch, TTT length and target (
 from a config: hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256; only its lm_head and
 random aux / final hidden states are needed, as in offline training).
 
-Ours: `training.trainer.ttt_loss` (bf16 autocast, fp32 master weights) + backward + clip + AdamW.
+Ours: `training.trainer.ttt_loss` (bf16 autocast, fp32 master weights) + backward + clip + AdamW, its
+inputs held as `training.trainer.train` holds them (bf16 hidden states resident on the GPU, the lm_head
+rows cast to bf16 once); SpecForge gets the same bf16 tensors on the GPU. (Session 8's and 9's runs gave
+ours fp32 features on the host, pinned and copied at every step: a cost the trainer does not pay.)
 SpecForge's: `LlamaForCausalLMEagle3` -> `OnlineEagle3Model` (TTT unroll) ->
 `Eagle3TrainStrategy.forward_loss` (its offline path, `target_repr=hidden_state`, TargetHead) ->
 backward -> `BF16Optimizer.step` (bf16 weights, fp32 masters, clip, AdamW) -- exactly its trainer's
@@ -68,7 +71,7 @@ def ours(shape, seq, ttt, device, fused_attention: bool | None = None):
     """Our training step (and its warm-up run once)."""
     from sglang_ext.core.heads import Eagle3Head, HeadConfig
     from training.features import Features
-    from training.trainer import ttt_loss
+    from training.trainer import resident_on_device, ttt_loss
 
     ids, mask, aux, last, lm_head, hot = inputs(shape, seq, device)
     cfg = HeadConfig(head_format="mha", hidden_size=shape["hidden"], intermediate_size=shape["inter"],
@@ -79,11 +82,14 @@ def ours(shape, seq, ttt, device, fused_attention: bool | None = None):
     head.set_vocab_mapping(hot)
     head.embed_tokens.weight.requires_grad_(False)
     head = head.to(device)
+    bf16 = device.type == "cuda"
     rows = lm_head[hot.to(device)]
+    if bf16:  # as training.trainer.train passes them
+        rows = rows.to(torch.bfloat16)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")  # as training.trainer.train
-    f = Features(ids, mask, aux, last)
-    bf16 = device.type == "cuda"
+    dtype = torch.bfloat16 if bf16 else torch.float32  # the features of a bf16 target, as SpecForge gets them
+    f = resident_on_device([Features(ids, mask, aux.to(dtype), last.to(dtype))], device)[0]  # as train() does
 
     def step():
         loss, _, _ = ttt_loss(head, f, rows, ttt, 0.8, device, autocast=bf16, fused_attention=fused_attention)

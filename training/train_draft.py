@@ -71,6 +71,12 @@ def parse_args(argv=None):
                     help="skip conversations whose first prompt is longer (regeneration cost)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--regen-samples", type=int, default=1, metavar="N",
+                    help="responses per training prompt: the first at --temperature, N-1 more sampled at "
+                         "--sample-temperature / --sample-top-p (more of the target's own distribution per prompt "
+                         "when prompts run out; held-out prompts keep one)")
+    ap.add_argument("--sample-temperature", type=float, default=0.8)
+    ap.add_argument("--sample-top-p", type=float, default=0.95)
     ap.add_argument("--reasoning", choices=["drop", "keep"], default="drop")
     ap.add_argument("--features", choices=["offline", "online"], default="offline")
     ap.add_argument("--features-server", metavar="URL",
@@ -129,6 +135,11 @@ def parse_args(argv=None):
         args.draft_vocab_size = 4096 if cpu else 32000
     if not args.data:
         args.data = ["sharegpt:pkg:60", f"gsm8k:{default_gsm8k('train')}:240"]
+    if args.regen_samples < 1:
+        ap.error(f"--regen-samples {args.regen_samples}: at least 1 (the one response at --temperature)")
+    if args.regen_samples > 1 and args.sample_temperature <= 0:
+        ap.error(f"--sample-temperature {args.sample_temperature}: the extra responses of --regen-samples "
+                 f"{args.regen_samples} must be sampled (> 0), or they repeat the first one")
     if args.target_weights_only and not (args.regen_server and args.features_server):
         ap.error("--target-weights-only needs --regen-server and --features-server: without the whole target in "
                  "this process, its SGLang servers regenerate the data and compute the features")
@@ -250,6 +261,12 @@ def main(argv=None) -> int:
     return train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, device, rank, t0)
 
 
+def extra_samples(convs: list, samples: int) -> list:
+    """The prompts again for responses 2..N (ids `<id>#s<j>`): regenerating replaces every assistant turn,
+    so each copy becomes another answer of the target's to the same user turns."""
+    return [data_mod.Conversation(f"{c.id}#s{j}", c.messages) for j in range(1, samples) for c in convs]
+
+
 def prepare_features(args, tok, target, aux_ids, device, feat_dir):
     """Steps 1-3 (data, regeneration, features) -> (train records, held-out records)."""
     # 1. data
@@ -270,18 +287,24 @@ def prepare_features(args, tok, target, aux_ids, device, feat_dir):
           f"{report.reasons or ''}")
 
     # 2. regenerate with the target
-    opts = GenerationOptions(args.max_new_tokens, args.temperature, args.top_p)
     regen_path = os.path.join(args.work, "regenerated.jsonl")
-    if args.regen_server:
-        regen = ServerRegenerator(args.regen_server, options=opts, concurrency=args.regen_concurrency)
-    else:
-        regen = LocalRegenerator(target, tok, opts, batch_size=args.regen_batch)
+
+    def regenerator(temperature: float, top_p: float):
+        opts = GenerationOptions(args.max_new_tokens, temperature, top_p)
+        if args.regen_server:
+            return ServerRegenerator(args.regen_server, options=opts, concurrency=args.regen_concurrency)
+        return LocalRegenerator(target, tok, opts, batch_size=args.regen_batch)
+
     t = time.time()
-    convs = regen.run(convs, regen_path)
-    print(f"[train-draft] regenerated {len(convs)} conversations in {time.time() - t:.0f}s -> {regen_path}")
+    held = max(1, len(convs) // 20)  # the first ones: held out (per-position accuracy), one response each
+    extra = extra_samples(convs[held:], args.regen_samples)
+    convs = regenerator(args.temperature, args.top_p).run(convs, regen_path)
+    if extra:  # appended to the same file (distinct ids), so a resumed run and the MLA run's link see them
+        convs += regenerator(args.sample_temperature, args.sample_top_p).run(extra, regen_path)
+    print(f"[train-draft] regenerated {len(convs)} conversations in {time.time() - t:.0f}s -> {regen_path}"
+          + (f" ({len(extra)} of them extra samples, temperature {args.sample_temperature})" if extra else ""))
 
     # 3. target features (aux states at the convention's layers, final hidden, loss mask)
-    held = max(1, len(convs) // 20)
     train_convs, held_convs = convs[held:], convs[:held]
     feature_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.features_server:  # the target's own SGLang server (tensor parallel) computes them

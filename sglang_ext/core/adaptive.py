@@ -8,9 +8,15 @@ Throughput per request at depth k is
 with a the accepted drafts of a step (bonus excluded) and t(k) the measured wall time of a step
 at depth k. E[min(a, k)] = sum_{i<=k} P(a >= i) comes from the per-position acceptance of a recent
 window of steps; positions deeper than the window measured are extrapolated with its last
-conditional rate. t(k) is an EMA of measured step times where k ran; other depths are read off a
+conditional rate. t(k) is the median of the last `time_samples` step times where k ran (one slow step
+-- a request arriving, a state switch -- does not move it; an EMA did, and on an H200 a zero-acceptance
+run then left depth 0 for depth 1 or 3 on 37% of its steps); other depths are read off a
 line t(k) = t0 + k * d fitted to the measured depths (until two depths were measured, a draft step is
 assumed to cost `prior_draft_cost` of a step at k = 0: the only constant, and only until measured).
+Step times are non-decreasing in k (a step at depth k does a depth-0 step's verify and k draft
+forwards), so t(k) never exceeds a deeper depth's measured time: a low depth's estimate is only
+refreshed while it runs, and a stale one must not keep the policy away from it. For the same reason a
+full window in which nothing was accepted sends the policy to depth 0 whatever the times say.
 At k = 0 no acceptance can be measured, so the policy probes the smallest positive depth after
 `probe_every` steps there; each probe that finds speculation still not paying doubles that interval, up to
 `max_probe_every` (a draft that never pays then costs probe_len / max_probe_every of the steps, 0.4% by
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 
 
 @dataclasses.dataclass
@@ -35,7 +42,7 @@ class Decision:
 
 
 class CostModelPolicy:
-    def __init__(self, candidates, initial: int, window: int | collections.deque = 64, ema: float = 0.2,
+    def __init__(self, candidates, initial: int, window: int | collections.deque = 64, time_samples: int = 15,
                  warmup: int = 8, decide_every: int = 8, probe_every: int = 256, probe_len: int = 16,
                  min_gain: float = 0.03, prior_draft_cost: float = 0.15, max_probe_every: int = 4096):
         self.candidates = sorted(set(int(c) for c in candidates))
@@ -46,8 +53,10 @@ class CostModelPolicy:
         # property of the draft and the traffic, not of the batch size; step times stay per policy)
         self.window: collections.deque = window if isinstance(window, collections.deque) else \
             collections.deque(maxlen=window)
-        self.times: dict[int, float] = {}
-        self.ema, self.warmup, self.decide_every = ema, warmup, decide_every
+        self.times: dict[int, float] = {}  # depth -> median of its recent step times
+        self._samples: dict[int, collections.deque] = {}
+        self.time_samples = time_samples
+        self.warmup, self.decide_every = warmup, decide_every
         self.probe_every, self.probe_len, self.min_gain = probe_every, probe_len, min_gain
         self.max_probe_every = max(max_probe_every, probe_every)
         self.probe_interval = probe_every  # steps at depth 0 before the next probe (backs off, see above)
@@ -63,8 +72,9 @@ class CostModelPolicy:
         """One verify step of a batch at `depth` (what ran; under SGLang's overlap scheduler it may
         lag the current choice by a step), its per-request accepted drafts and its wall time."""
         if step_seconds is not None and step_seconds > 0:
-            old = self.times.get(depth)
-            self.times[depth] = step_seconds if old is None else (1 - self.ema) * old + self.ema * step_seconds
+            samples = self._samples.setdefault(depth, collections.deque(maxlen=self.time_samples))
+            samples.append(step_seconds)
+            self.times[depth] = statistics.median(samples)
         if depth > 0:
             self.window.extend((depth, min(int(a), depth)) for a in accepted)
         self._steps += 1
@@ -120,6 +130,11 @@ class CostModelPolicy:
         return total
 
     def step_time(self, k: int) -> float | None:
+        t = self._line_time(k)
+        deeper = [v for d, v in self.times.items() if d > k]
+        return t if t is None or not deeper else min(t, min(deeper))  # never above a deeper depth's time
+
+    def _line_time(self, k: int) -> float | None:
         if k in self.times:
             return self.times[k]
         known = sorted(self.times.items())
@@ -145,17 +160,17 @@ class CostModelPolicy:
     # ------------------------------------------------------------------------------- decisions
     def _decide(self, force: bool = False) -> Decision:
         self._since_decision = 0
-        scores = {k: self.goodput(k) for k in self.candidates}
-        scores = {k: g for k, g in scores.items() if g is not None}
-        current = scores.get(self.depth)
-        if (not scores or current is None) and 0 in self.candidates and self.depth != 0 and self._never_accepts():
-            # no step time measured yet, but none is needed: with nothing accepted, every positive depth costs
-            # more than depth 0 and yields the same one token per step
+        if 0 in self.candidates and self.depth != 0 and self._never_accepts():
+            # no step time is needed (and a stale one must not decide): with nothing accepted, every positive
+            # depth costs more than depth 0 and yields the same one token per step
             old = self.depth
             self.depth, self._at_zero = 0, 0
             self.last_reason = (f"depth {old} -> 0: no draft accepted in the last {len(self.window)} request-steps "
-                                "(acceptance window shared across batch sizes)")
+                                "(acceptance window shared across batch sizes)" + self._times_text("; "))
             return Decision(0, True, self.last_reason)
+        scores = {k: self.goodput(k) for k in self.candidates}
+        scores = {k: g for k, g in scores.items() if g is not None}
+        current = scores.get(self.depth)
         if not scores or current is None:
             return Decision(self.depth, False, "no estimate yet")
         best = max(scores, key=lambda k: scores[k])
@@ -167,13 +182,17 @@ class CostModelPolicy:
         self.last_reason = (
             f"depth {old} -> {best}: predicted tokens/s per request {scores[best]:.1f} vs {current:.1f} "
             f"({gain:+.0%}); accepted drafts per step at depth {k_depth}: {sum(p):.2f}, per position "
-            f"[{', '.join(f'{x:.2f}' for x in p)}]; step ms " +
-            ", ".join(f"k={k}: {1e3 * t:.2f}{'' if k in self.times else ' (model)'}"
-                      for k, t in ((k, self.step_time(k)) for k in self.candidates) if t is not None))
+            f"[{', '.join(f'{x:.2f}' for x in p)}]" + self._times_text("; "))
         self.depth = best
         if best == 0:
             self._at_zero = 0
         return Decision(best, True, self.last_reason)
+
+    def _times_text(self, prefix: str) -> str:
+        """The step times a decision used: measured (a median) or read off the model."""
+        parts = [f"k={k}: {1e3 * t:.2f}{'' if t == self.times.get(k) else ' (model)'}"
+                 for k, t in ((k, self.step_time(k)) for k in self.candidates) if t is not None]
+        return f"{prefix}step ms {', '.join(parts)}" if parts else ""
 
     def _probe(self) -> Decision:
         positive = [c for c in self.candidates if c > 0]

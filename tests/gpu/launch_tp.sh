@@ -2,16 +2,17 @@
 # The TP issue on nvidia-h200-x2, as one detached job (a device `run` kills what it leaves in its own
 # session) and a watch:
 #   phase 1, side by side: check_serving on the tiny DeepseekV3 target at TP=1 (GPU 0; heads restored from
-#            .gpu-state, so nothing trains) and, on GPU 1, more check_serving arms on the same target
-#            (DET_ARMS, if any), then the Kimi-shaped benchmark arms at TP=1 (P1_BENCH_ARMS: by default the
-#            protection's profile, no speculation vs the protected zero-acceptance arm), which also build the
-#            Kimi-shaped target and heads for phase 2, then our training step against SpecForge's
-#            (training/bench_vs_specforge.py; TP_SPECFORGE=0: not; needs .gpu-state/wheels carried);
+#            .gpu-state, so nothing trains), then our training step against SpecForge's on GPU 0
+#            (training/bench_vs_specforge.py; TP_SPECFORGE=0: not; needs .gpu-state/wheels carried); on GPU 1,
+#            more check_serving arms on the same target (DET_ARMS, if any), then the Kimi-shaped benchmark
+#            arms at TP=1 (P1_BENCH_ARMS: by default the protection's profile, no speculation vs the
+#            protected zero-acceptance arm), which also build the Kimi-shaped target and heads for phase 2;
 #   phase 2, both GPUs: the check_serving arms TP=1 finished, at TP=2 (same target, heads, prompts), then
 #            tests/gpu/compare_tp.py (TP=2 vs TP=1: partings scored by TP=1's gaps, acceptance, per-position
-#            counts, views, invariant), the Kimi-shaped benchmark arms at TP=2 (TP_BENCH_ARMS; empty: none),
-#            then the feature server at TP=2 against transformers (check_feature_server.py; TP_FEATURE=0: not),
-#            then the trainer on two GPUs over NCCL against one process (check_ddp.py; TP_DDP=0: not).
+#            counts, views, invariant), the trainer on two GPUs over NCCL against one process
+#            (check_ddp.py; TP_DDP=0: not), the Kimi-shaped benchmark arms at TP=2 (TP_BENCH_ARMS; empty:
+#            none), then the feature server at TP=2 against transformers (check_feature_server.py;
+#            TP_FEATURE=0: not).
 #     bash tests/gpu/launch_tp.sh [WATCH_SECONDS]      # later calls: bash tests/gpu/launch_tp.sh watch SECONDS
 # Env: TP_ARMS (check_serving arms), DET_ARMS (the deterministic suite), TP_BENCH_ARMS (spec_bench arms),
 # TP_LEVELS (concurrency levels), TP_BENCH_OPTS (spec_bench run options), PHASE1_DEADLINE_S / PHASE2_DEADLINE_S (no new check arm after that many
@@ -36,6 +37,8 @@ watch() {
       [ -f "$f" ] && cp "$f" "$pack/$(echo "$f" | tr / _ | sed 's/^_//')"
     done
     for f in $TP/*.log; do tail -c 20000 "$f" > "$pack/$(basename "$f")"; done
+    # the benchmark servers' own logs (a server stopped by the benchmark leaves its last lines only here)
+    for f in /tmp/gpu-logs/bench-*.log; do [ -f "$f" ] && tail -c 20000 "$f" > "$pack/server-$(basename "$f")"; done
     # the servers' logs: the KV pool lines, any error
     tar czf "$pack/server-logs.tgz" -C /tmp tp1/out/logs tp2/out/logs det1/out/logs 2>/dev/null || true
     tar czf "$OUT/tp.tgz" -C $pack .
@@ -52,10 +55,11 @@ ARMS=${TP_ARMS:-"target-deterministic mha-chain-fp8-verify-decode-deterministic 
 # GPU 1's check arms during phase 1 (session 7 ran the overlap-off and sampled arms; empty: GPU 1 only builds
 # the Kimi-shaped target)
 DET_ARMS=${DET_ARMS-""}
-# the benchmark issue's protection, profiled at batch 1 (session 5 measured 0.81-0.90x of no speculation): what
-# a depth-0 step costs against a plain decode step, and the policy's steps and step times per depth
+# the benchmark issue's protection, profiled at 1 and 32 requests (session 9: 0.83x at batch 1, from drafting
+# on 37% of the steps, since fixed; 0.92-0.93x TPOT at 32-128, the depth-0 step's own cost): what a depth-0
+# step costs against a plain decode step, and the policy's steps and step times per depth
 P1_BENCH_ARMS=${P1_BENCH_ARMS-"nospec zero-accept-protected-verify-decode"}
-P1_BENCH_OPTS=${P1_BENCH_OPTS:-"--concurrency 1,32,128 --repeats 1 --profile-at nospec:1,zero-accept-protected-verify-decode:1"}
+P1_BENCH_OPTS=${P1_BENCH_OPTS:-"--concurrency 1,32,128 --repeats 2 --profile-at nospec:1,nospec:32,zero-accept-protected-verify-decode:1,zero-accept-protected-verify-decode:32"}
 TP_FEATURE=${TP_FEATURE:-0}
 TP_DDP=${TP_DDP:-1}
 TP_SPECFORGE=${TP_SPECFORGE:-1}
@@ -84,7 +88,14 @@ mkdir -p /tmp/tp1/out /tmp/tp2/out /tmp/det1/out
 rm -rf /tmp/tp-base && mkdir -p /tmp/tp-base && cp -r $PWD/.gpu-state/head-mha $PWD/.gpu-state/head-mla /tmp/tp-base/
 python -c "import json; s = json.load(open('$PWD/.gpu-state/state.json')); json.dump({'prompts': s['prompts']}, open('/tmp/tp-base/state.json', 'w'))"
 say "phase 1: TP=1 check_serving ($ARMS) on GPU 0; GPU 1: check arms ($DET_ARMS), benchmark arms ($P1_BENCH_ARMS)"
-( CUDA_VISIBLE_DEVICES=0 check /tmp/tp1 1 $P1 /tmp/tp-base $ARMS > $TP/check-tp1.log 2>&1; say "check TP=1 rc \$?" ) &
+( CUDA_VISIBLE_DEVICES=0 check /tmp/tp1 1 $P1 /tmp/tp-base $ARMS > $TP/check-tp1.log 2>&1; say "check TP=1 rc \$?"
+  # then, on GPU 0 (GPU 1's benchmark arms take as long as these checks): our training step against
+  # SpecForge's (the trainer issue), if its wheel was carried (.gpu-state/wheels)
+  if [ "$TP_SPECFORGE" = 1 ]; then  # the scale pipeline's step (installs the wheel; writes /tmp/scale/results)
+    CUDA_VISIBLE_DEVICES=0 python tests/gpu/scale_pipeline.py specforge > $TP/specforge.log 2>&1
+    say "SpecForge comparison rc \$?"; cp /tmp/scale/results/specforge.* $TP/ 2>/dev/null
+    grep -A5 "^trainer " $TP/specforge.txt >> $TP/progress.log 2>/dev/null || true
+  fi ) &
 ( if [ -n "$DET_ARMS" ]; then
     CUDA_VISIBLE_DEVICES=1 GPU_CHECK_PORT=30377 check /tmp/det1 1 $P1 /tmp/tp-base $DET_ARMS > $TP/check-det.log 2>&1
     say "GPU 1 check arms rc \$?"
@@ -96,12 +107,7 @@ say "phase 1: TP=1 check_serving ($ARMS) on GPU 0; GPU 1: check arms ($DET_ARMS)
     CUDA_VISIBLE_DEVICES=1 SPEC_BENCH_WORK=/tmp/tpbench1 python -m eval.spec_bench build > $TP/bench-build.log 2>&1
     say "Kimi-shaped build rc \$?"
   fi
-  # our training step against SpecForge's (the trainer issue), if its wheel was carried (.gpu-state/wheels)
-  if [ "$TP_SPECFORGE" = 1 ]; then  # the scale pipeline's step (installs the wheel; writes /tmp/scale/results)
-    CUDA_VISIBLE_DEVICES=1 python tests/gpu/scale_pipeline.py specforge > $TP/specforge.log 2>&1
-    say "SpecForge comparison rc \$?"; cp /tmp/scale/results/specforge.* $TP/ 2>/dev/null
-    grep -A5 "^trainer " $TP/specforge.txt >> $TP/progress.log 2>/dev/null || true
-  fi ) &
+  ) &
 wait
 cp /tmp/tp1/state.json /tmp/tp1.json
 grep -h "^\[bench\]" $TP/bench-tp1.log >> $TP/progress.log 2>/dev/null || true
@@ -115,6 +121,12 @@ GPU_CHECK_PORT=30477 check /tmp/tp2 2 $P2 /tmp/tp1-restore $ARMS > $TP/check-tp2
 sed -n '/^arm  /,\$p' $TP/check-tp2.log >> $TP/progress.log || true
 python tests/gpu/compare_tp.py /tmp/tp1.json /tmp/tp2/state.json > $TP/compare.txt 2>&1; say "compare rc \$?"
 cat $TP/compare.txt >> $TP/progress.log
+# the trainer's data parallelism on both GPUs (NCCL) against one process with the same global batch (before the
+# Kimi-shaped arms: a few minutes, and the last item of the phase is the one a deadline cuts)
+if [ "$TP_DDP" = 1 ]; then
+  OUT=$TP python tests/gpu/check_ddp.py > $TP/ddp.log 2>&1
+  say "DDP rc \$?"; grep -A4 "^run  " $TP/ddp.log >> $TP/progress.log
+fi
 if [ -n "$BENCH_ARMS" ]; then
   mkdir -p /tmp/tpbench2   # TP=1's target and heads when phase 1 built them (its arms are not carried over)
   if [ -f /tmp/tpbench1/state.json ]; then
@@ -129,11 +141,6 @@ fi
 if [ "$TP_FEATURE" = 1 ]; then
   OUT=$TP python tests/gpu/check_feature_server.py /tmp/tp1/target --tp 2 > $TP/feature-server.log 2>&1
   say "feature server TP=2 rc \$?"; tail -c 1500 $TP/feature-server.log >> $TP/progress.log
-fi
-# the trainer's data parallelism on both GPUs (NCCL) against one process with the same global batch
-if [ "$TP_DDP" = 1 ]; then
-  OUT=$TP python tests/gpu/check_ddp.py > $TP/ddp.log 2>&1
-  say "DDP rc \$?"; grep -A4 "^run  " $TP/ddp.log >> $TP/progress.log
 fi
 cp /tmp/tpbench1/benchmarks.md $TP/bench-tp1.md 2>/dev/null; cp /tmp/tpbench2/benchmarks.md $TP/bench-tp2.md 2>/dev/null
 say DONE

