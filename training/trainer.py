@@ -30,6 +30,7 @@ from tqdm import tqdm
 from sglang_ext.core.heads import Eagle3Head
 from sglang_ext.core.ttt_attention import PATHS_USED as TTT_PATHS_USED, TTTCache
 from training.features import Features, cut_by_length
+from training.losses import soft_cross_entropy
 
 
 @dataclasses.dataclass
@@ -212,6 +213,7 @@ def ttt_loss(head: Eagle3Head, f: Features | list[Features], lm_rows: torch.Tens
         hidden = hidden.float()
     with torch.no_grad():  # the target's distribution over the draft vocabulary at every position
         tgt = F.softmax(target_logits(dev(final), lm_rows, autocast), dim=-1)  # [B, T, Vd]
+        tgt_top = tgt.argmax(-1)  # [B, T]: the target's top token, for the accuracy
     pos = torch.arange(L, device=device)[None].expand(B, L)
     rows = torch.arange(B, device=device)[:, None]
     # lane t of step k attends to x_0..x_t and to its own lane in steps 1..k (core/ttt_attention.py)
@@ -225,11 +227,11 @@ def ttt_loss(head: Eagle3Head, f: Features | list[Features], lm_rows: torch.Tens
             cnt.append(len(b_sel))
             if len(b_sel):
                 b_sel, t_sel, target_pos = dev(b_sel), dev(t_sel), dev(target_pos)
-                target_p = tgt[b_sel, target_pos]  # gather only the selected lanes' [Vd] rows
-                chosen = out.logits[b_sel, t_sel].float()
-                loss_k = -(target_p * F.log_softmax(chosen, dim=-1)).sum(-1).mean()
+                chosen = out.logits[b_sel, t_sel]  # the selected lanes, in the logits' dtype
+                # soft CE against tgt[b_sel, target_pos], keeping no fp32 copies for the backward (training/losses.py)
+                loss_k = soft_cross_entropy(chosen, tgt, b_sel, target_pos).mean()
                 total = total + (decay ** k) * loss_k
-                hits.append((chosen.argmax(-1) == target_p.argmax(-1)).sum())
+                hits.append((chosen.argmax(-1) == tgt_top[b_sel, target_pos]).sum())
             else:
                 hits.append(torch.zeros((), device=device))
             hidden = out.hidden
