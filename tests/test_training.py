@@ -440,7 +440,8 @@ def test_train_draft_under_torchrun_rank0_prepares_and_exports(tmp_path):
     assert report["world_size"] == 2 and report["train_conversations"] == 2 * 11  # 12 prompts, 1 held out
     assert report["final_metrics"]["step"] == 1 and report["final_metrics"]["stopped_early"]
     ids = [json.loads(line)["id"] for line in open(tmp_path / "work" / "regenerated.jsonl")]
-    assert len(ids) == 23 and sorted(i for i in ids if "#s" in i) == sorted(f"{i}#s1" for i in range(1, 12))
+    sampled = {i.split("#s")[0] for i in ids if i.endswith("#s1")}
+    assert len(ids) == 23 and len(sampled) == 11 and len({str(i) for i in range(12)} - sampled) == 1
 
 
 def test_fit_total_lays_the_schedule_over_the_time_left():
@@ -470,3 +471,20 @@ def test_time_limited_training_finishes_its_fitted_schedule(tiny_pair, monkeypat
     assert not m.get("stopped_early")
     assert m["lr"] < 0.05 * cfg.lr  # the cosine ran to its end
     assert any("schedule fitted to the time limit" in x for x in logged)
+
+
+def test_held_out_conversations_sample_every_source():
+    """The held-out 5% come first after a seeded shuffle: both sources appear in them (in source order they
+    were all from the first source), the order is the same for the same seed, and nothing is lost."""
+    from training.data import Conversation
+    from training.train_draft import extra_samples, held_out_first
+
+    convs = [Conversation(f"sharegpt-{i}", []) for i in range(100)] + [Conversation(f"gsm8k-{i}", []) for i in range(100)]
+    order = held_out_first(convs, seed=0)
+    held = order[: len(order) // 20]
+    assert {c.id.split("-")[0] for c in held} == {"sharegpt", "gsm8k"}
+    assert [c.id for c in held_out_first(convs, seed=0)] == [c.id for c in order]
+    assert sorted(c.id for c in order) == sorted(c.id for c in convs)
+    extra = extra_samples(order[len(held):], 3)  # responses 2 and 3 of the training prompts only
+    assert len(extra) == 2 * 190 and {c.id.rsplit("#s", 1)[1] for c in extra} == {"1", "2"}
+    assert not {c.id.rsplit("#s", 1)[0] for c in extra} & {c.id for c in held}
