@@ -152,6 +152,10 @@ def test_feature_shards_round_trip_and_resume(tiny_pair, tmp_path):
         assert a.aux.shape[1] == 3 * 64 and a.loss_mask.sum() > 0
     batched = ext.many(convs, batch_tokens=10 ** 6)  # all six in one padded forward
     assert all(torch.allclose(a.aux, b.aux, atol=1e-5) for a, b in zip(batched, again))
+    # a resume in another order (another seed, another version's order) is refused, the shards left as they were
+    with pytest.raises(ValueError, match="holds other conversations than chunk 0"):
+        write_shards(ext, convs[::-1], d, shard_size=2)
+    assert [len(r.input_ids) for r in read_shards(d)] == [len(r.input_ids) for r in recs]
 
 
 def _features_and_lm(tiny_pair, n=4):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -202,15 +203,24 @@ def _unpack(t: dict[str, torch.Tensor]) -> list[Features]:
 
 def write_shards(extractor: FeatureExtractor, convs: list[Conversation], out_dir: str, shard_size: int = 64,
                  meta: dict | None = None) -> dict:
-    """Capture features for `convs` into out_dir/shard-NNNNN.safetensors (+ manifest); resumable."""
+    """Capture features for `convs` into out_dir/shard-NNNNN.safetensors (+ manifest); resumable. Each shard
+    records which conversations it holds, so a resume whose data or order differs (another seed, another
+    source, an older version's order) is refused instead of mixing two orders into one training set."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, MANIFEST)
     manifest = json.load(open(path)) if os.path.exists(path) else {"shards": [], "skipped": 0, **(meta or {})}
+    done = {s["file"]: s for s in manifest["shards"]}
     chunks = [convs[i: i + shard_size] for i in range(0, len(convs), shard_size)]
     with tqdm(total=len(convs), desc="capture target features", unit="conv", mininterval=5) as bar:
         for k, chunk in enumerate(chunks):
             name = f"shard-{k:05d}.safetensors"
-            if any(s["file"] == name for s in manifest["shards"]):  # already captured
+            key = _conversations_key(chunk)
+            if name in done:  # already captured: the same conversations, or refuse
+                if done[name].get("conversations") != key:
+                    raise ValueError(
+                        f"{os.path.join(out_dir, name)} holds other conversations than chunk {k} of this run (the data, "
+                        f"its order, the seed or the shard size changed since it was captured, or an older version "
+                        f"captured it); capture into a new --work directory, or delete {out_dir} to capture again")
                 bar.update(len(chunk))
                 continue
             found = extractor.many(chunk)
@@ -219,12 +229,17 @@ def write_shards(extractor: FeatureExtractor, convs: list[Conversation], out_dir
             bar.update(len(chunk))
             if records:
                 save_file(_pack(records), os.path.join(out_dir, name))
-                manifest["shards"].append({"file": name, "records": len(records),
+                manifest["shards"].append({"file": name, "records": len(records), "conversations": key,
                                            "tokens": int(sum(len(r.input_ids) for r in records))})
             with open(path + ".tmp", "w") as fh:
                 json.dump(manifest, fh, indent=1)
             os.replace(path + ".tmp", path)  # the manifest only ever names complete shards
     return manifest
+
+
+def _conversations_key(chunk: list[Conversation]) -> str:
+    """Which conversations, in which order, a shard was captured from."""
+    return hashlib.sha256("\n".join(c.id for c in chunk).encode()).hexdigest()[:16]
 
 
 def read_shards(out_dir: str) -> list[Features]:

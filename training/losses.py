@@ -3,10 +3,9 @@
     loss_row = -sum_v p_v log softmax(z)_v = logsumexp(z) * sum_v p_v - sum_v p_v z_v
     d loss_row / d z = softmax(z) * sum_v p_v - p
 
-Written as `-(p * log_softmax(z.float())).sum(-1)` over the selected lanes, every TTT step kept an fp32
-copy of the logits, the fp32 log-softmax and a gathered copy of the target rows for the backward:
-three [lanes, draft vocab] fp32 tensors per step (0.8 GB per step at 2,048 lanes and a 32,000-token
-draft vocabulary). Here a step keeps only the logits in their own dtype (bf16 under autocast) and the
+Written as `-(p * log_softmax(z.float())).sum(-1)` over the selected lanes, every TTT step kept the fp32
+log-softmax and a gathered fp32 copy of the target rows for the backward: two [lanes, draft vocab] fp32
+tensors per step (0.5 GB per step at 2,048 lanes and a 32,000-token draft vocabulary). Here a step keeps only the logits in their own dtype (bf16 under autocast) and the
 lanes' indices into the one target tensor shared by all steps; the backward recomputes the softmax,
 chunk by chunk. Same function and gradient (tests/test_losses.py)."""
 

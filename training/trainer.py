@@ -385,6 +385,8 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     steady_from = None
     while step < total:
         if step == pace_start:
+            if device.type == "cuda":  # the warm-up steps' kernels end before the clock starts
+                torch.cuda.synchronize(device)
             steady_from = (step, clock(), tokens_trained)
         if cfg.max_seconds is not None and step == pace_start:
             pace_from = (step, clock())
