@@ -444,9 +444,7 @@ def report(out_md: str) -> dict:
         for k, p in pools.items():
             lines.append(f"| {k} | {p.get('draft_bytes_per_token', '—')} | {p.get('draft_pool_tokens', '—')} | "
                          f"{p.get('draft_pool_gib', '—')} | {p.get('max_running_requests', '—')} |")
-    profiles = [(k, c, p) for k, v in arms.items()
-                for c, p in (v.get("profiles") or ({"?": v["profile"]} if v.get("profile") else {})).items()
-                if "window_ms" in p]  # "profile": a state written before several levels could be profiled
+    profiles = [(k, c, p) for k, v in arms.items() for c, p in v.get("profiles", {}).items() if "window_ms" in p]
     if profiles:
         lines += ["", "Profiles (10 scheduler steps at full concurrency; GPU busy = union of kernel time / window):", "",
                   "| arm | concurrency | window ms/step | GPU busy ms/step | busy fraction | top kernels (ms/step) |",

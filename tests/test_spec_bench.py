@@ -85,13 +85,12 @@ def test_report_from_a_state(tmp_path, monkeypatch):
     prof = {"window_ms": 100.0, "gpu_busy_ms": 40.0, "gpu_busy_fraction": 0.4, "steps": 10,
             "top_kernels_ms_per_step": [["gemm", 2.5]]}
     state["arms"]["plugin-chain"]["profiles"] = {"1": prof, "32": dict(prof, gpu_busy_ms=90.0, gpu_busy_fraction=0.9)}
-    state["arms"]["nospec"]["profile"] = prof  # a state written before several levels could be profiled
     json.dump(state, open(tmp_path / "state.json", "w"))
     sb.report(str(tmp_path / "benchmarks.md"))
     text = (tmp_path / "benchmarks.md").read_text()
     assert "`plugin-tree`: OutOfMemoryError() at concurrency 32" in text
     assert "| plugin-chain | 1 | 10.00 | 4.00 | 0.40 | gemm 2.5 |" in text
-    assert "| plugin-chain | 32 | 10.00 | 9.00 | 0.90 | gemm 2.5 |" in text and "| nospec | ? | 10.00 | 4.00 |" in text
+    assert "| plugin-chain | 32 | 10.00 | 9.00 | 0.90 | gemm 2.5 |" in text
     # a protected arm's policy summaries are in the report
     state["arms"]["zero-accept"]["adaptive"] = {"decisions": 3, "runtime_state_switches": 5, "last_decisions": [],
                                                 "summaries": ["last 30s, batch 1-1: steps [depth 0: 3900]"]}

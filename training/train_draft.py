@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 
@@ -266,8 +267,6 @@ def held_out_first(convs: list, seed: int) -> list:
     sample every source. The sources are read one after another: until session 9 the held-out 5% of a
     ShareGPT + GSM8K run were all ShareGPT, and a held-out accuracy far below the training accuracy
     (mostly GSM8K) read as over-fitting."""
-    import random
-
     order = list(convs)
     random.Random(seed).shuffle(order)
     return order
