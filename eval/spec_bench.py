@@ -48,6 +48,8 @@ SIM = "SGLANG_SIMULATE_ACC_LEN"
 # the arms named without "verify-decode" keep the meaning they had in earlier runs' state files
 EXTEND = {"SGLANG_EXT_MLA_VERIFY": "extend"}
 DECODE = {"SGLANG_EXT_MLA_VERIFY": "decode"}
+# depth 0 of the protection as upstream runs it (a one-token verify): what the protected arms of runs 1-3 measured
+VERIFY0 = {"SGLANG_EXT_ADAPTIVE_DEPTH0": "verify"}
 # name: (head or None, drafting args, env, simulated)
 ARMS = {
     "nospec": (None, [], {}, False),
@@ -57,10 +59,19 @@ ARMS = {
     "plugin-chain-verify-decode": ("mha", CHAIN, DECODE, True),
     "zero-accept-verify-decode": ("mha", CHAIN, DECODE, False),
     "plugin-tree-verify-decode": ("mha", TREE, DECODE, True),
-    # the protection with a depth-0 step as cheap as it can be made: verify as decode, no draft extend
+    # the protection with depth 0 as upstream's one-token verify (as decode attention), no draft extend
     "zero-accept-protected-verify-decode": ("mha", CHAIN + ["--speculative-adaptive"],
-                                            {"SGLANG_EXT_ADAPTIVE_POLICY": "cost", **DECODE,
+                                            {"SGLANG_EXT_ADAPTIVE_POLICY": "cost", **DECODE, **VERIFY0,
                                              "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND": "1"}, False),
+    # the protection as shipped: depth 0 is the target's plain decode step (serving/decode_depth0.py); a draft
+    # that never accepts, so no draft extend at depth 0
+    "zero-accept-protected-decode0": ("mha", CHAIN + ["--speculative-adaptive"],
+                                      {"SGLANG_EXT_ADAPTIVE_POLICY": "cost",
+                                       "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND": "1"}, False),
+    # the protection at the synthetic acceptance of the chain arms: it must keep the gain where drafting pays
+    # and stop where it does not (the draft extend stays on: the draft's KV is kept warm at depth 0)
+    "chain-protected-decode0": ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"},
+                                True),
     # the draft's format and KV dtype, at the plugin's defaults (chains verified as decode attention)
     "plugin-mla-chain": ("mla", CHAIN, {}, True),
     "plugin-mla-tree": ("mla", TREE, {}, True),
@@ -68,14 +79,15 @@ ARMS = {
     "plugin-tree": ("mha", TREE, EXTEND, True),
     "zero-accept": ("mha", CHAIN, EXTEND, False),
     "zero-accept-protected": ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost",
-                                                                          **EXTEND}, False),
+                                                                          **EXTEND, **VERIFY0}, False),
 }
 
 
 # the order `all` runs them in: what the ratios need first (c comes from zero-accept at batch 1)
-PRIORITY = ["nospec", "plugin-chain", "upstream-chain", "plugin-chain-verify-decode", "zero-accept",
-            "zero-accept-verify-decode", "zero-accept-protected-verify-decode", "plugin-tree-verify-decode",
-            "plugin-fp8", "plugin-mla-chain", "zero-accept-protected", "plugin-tree", "plugin-mla-tree"]
+PRIORITY = ["nospec", "zero-accept-protected-decode0", "chain-protected-decode0", "plugin-chain-verify-decode",
+            "zero-accept-verify-decode", "plugin-chain", "upstream-chain", "plugin-fp8", "plugin-mla-chain",
+            "zero-accept-protected-verify-decode", "zero-accept", "plugin-tree-verify-decode",
+            "zero-accept-protected", "plugin-tree", "plugin-mla-tree"]
 
 
 # ------------------------------------------------------------------------------------ build
@@ -355,6 +367,11 @@ def mean_tps(row: dict, c: str) -> float | None:
     return statistics.mean(r["output_tokens_per_s"] for r in runs) if runs else None
 
 
+def mean_tpot(row: dict, c: str) -> float | None:
+    runs = row.get("levels", {}).get(c)
+    return statistics.mean(r["tpot_mean_s"] for r in runs) if runs else None
+
+
 def spread(row: dict, c: str) -> tuple[float, float] | None:
     runs = row.get("levels", {}).get(c)
     return (min(r["output_tokens_per_s"] for r in runs), max(r["output_tokens_per_s"] for r in runs)) if runs else None
@@ -370,6 +387,21 @@ def speedup_bound(accepted: float, c: float, steps: int = STEPS) -> float:
     return (1.0 + accepted) / (1.0 + steps * c)
 
 
+def batch1_bound(no: dict | None, zero: dict | None, chain: dict | None) -> dict | None:
+    """The bound on batch 1's speedup and what the chain arm achieved, c from the zero-acceptance arm's TPOT."""
+    if not (no and zero and chain and all("1" in r.get("levels", {}) for r in (no, zero, chain))):
+        return None
+    t_no, t_zero, t_chain = (mean_tpot(r, "1") for r in (no, zero, chain))
+    c = draft_cost_ratio(t_no, t_zero)
+    a = chain["levels"]["1"][-1]["accepted_drafts_per_step"] or 0.0
+    # the bound is on time per output token (TPOT); the throughput ratio also counts prefill and the
+    # client's time between requests, so it is reported beside it, not compared with the bound
+    achieved = t_no / t_chain if t_chain else 0.0
+    return {"c": c, "accepted_drafts_per_step": a, "bound": speedup_bound(a, c), "achieved": achieved,
+            "achieved/bound": achieved / speedup_bound(a, c),
+            "throughput_ratio": mean_tps(chain, "1") / mean_tps(no, "1")}
+
+
 def ratio_rows(state: dict) -> list[dict]:
     arms = state.get("arms", {})
     levels = sorted({int(c) for r in arms.values() for c in r.get("levels", {})})
@@ -383,6 +415,10 @@ def ratio_rows(state: dict) -> list[dict]:
             x, y = spread(arms.get(a, {}), c), spread(arms.get(b, {}), c)
             return (x[0] / y[1], x[1] / y[0]) if x and y else None
 
+        def r_tpot(a, b):  # b's speed relative to a's from time per output token (a's TPOT over b's)
+            x, y = mean_tpot(arms.get(a, {}), c), mean_tpot(arms.get(b, {}), c)
+            return x / y if x and y else None
+
         rows.append({"concurrency": int(c), "plugin/upstream": r("plugin-chain", "upstream-chain"),
                      "plugin/upstream band": band("plugin-chain", "upstream-chain"),
                      "chain/nospec": r("plugin-chain", "nospec"),
@@ -392,7 +428,13 @@ def ratio_rows(state: dict) -> list[dict]:
                      "tree/nospec": r("plugin-tree", "nospec"), "fp8/nospec": r("plugin-fp8", "nospec"),
                      "zero/nospec": r("zero-accept", "nospec"),
                      "zero-protected/nospec": r("zero-accept-protected", "nospec"),
-                     "zero-protected-verify-decode/nospec": r("zero-accept-protected-verify-decode", "nospec")})
+                     "zero-protected-verify-decode/nospec": r("zero-accept-protected-verify-decode", "nospec"),
+                     "zero-protected-decode0/nospec": r("zero-accept-protected-decode0", "nospec"),
+                     "zero-protected-decode0/nospec band": band("zero-accept-protected-decode0", "nospec"),
+                     "zero-protected-decode0/nospec TPOT": r_tpot("nospec", "zero-accept-protected-decode0"),
+                     "chain-protected/nospec": r("chain-protected-decode0", "nospec"),
+                     "chain-protected/nospec band": band("chain-protected-decode0", "nospec"),
+                     "chain-protected/chain": r("chain-protected-decode0", "plugin-chain-verify-decode")})
     return rows
 
 
@@ -400,20 +442,12 @@ def report(out_md: str) -> dict:
     state = json.load(open(f"{WORK}/state.json"))
     arms = state.get("arms", {})
     rows = ratio_rows(state)
-    bound = None
-    no, zero, chain = arms.get("nospec"), arms.get("zero-accept"), arms.get("plugin-chain")
-    if no and zero and chain and "1" in no.get("levels", {}) and "1" in zero.get("levels", {}):
-        t_no = statistics.mean(r["tpot_mean_s"] for r in no["levels"]["1"])
-        t_zero = statistics.mean(r["tpot_mean_s"] for r in zero["levels"]["1"])
-        c = draft_cost_ratio(t_no, t_zero)
-        a = chain["levels"]["1"][-1]["accepted_drafts_per_step"] or 0.0
-        # the bound is on time per output token (TPOT); the throughput ratio also counts prefill and the
-        # client's time between requests, so it is reported beside it, not compared with the bound
-        t_chain = statistics.mean(r["tpot_mean_s"] for r in chain["levels"]["1"])
-        achieved = t_no / t_chain if t_chain else 0.0
-        bound = {"c": c, "accepted_drafts_per_step": a, "bound": speedup_bound(a, c), "achieved": achieved,
-                 "achieved/bound": achieved / speedup_bound(a, c),
-                 "throughput_ratio": mean_tps(chain, "1") / mean_tps(no, "1")}
+    # the bound at batch 1 for each verify kernel, c measured from the zero-acceptance arm of that kernel
+    bounds = {kernel: b for kernel, zero, chain in (("upstream's verify kernel", "zero-accept", "plugin-chain"),
+                                                   ("verify as decode", "zero-accept-verify-decode",
+                                                    "plugin-chain-verify-decode"))
+              if (b := batch1_bound(arms.get("nospec"), arms.get(zero), arms.get(chain)))}
+    bound = bounds.get("upstream's verify kernel") or bounds.get("verify as decode")
     fmt = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
     lines = ["# Benchmarks: Eagle3 on a Kimi-K2.5-shaped target (one H200)", "",
              f"Generated by `python -m eval.spec_bench report` on {datetime.date.today()} from {WORK}/state.json; "
@@ -432,11 +466,23 @@ def report(out_md: str) -> dict:
                      f"{fmt(r['fp8/nospec'])} | "
                      f"{fmt(r['zero/nospec'])} | {fmt(r['verify-decode zero/nospec'])} | "
                      f"{fmt(r['zero-protected/nospec'])} | {fmt(r['zero-protected-verify-decode/nospec'])} |")
-    if bound:
-        lines += ["", f"Batch 1: measured draft/target step-cost ratio c = {bound['c']:.3f}; accepted drafts per "
-                      f"step {bound['accepted_drafts_per_step']:.2f}; bound (1 + a)/(1 + k c) = {bound['bound']:.3f}; "
-                      f"achieved (TPOT no-spec / TPOT chain) {bound['achieved']:.3f} = {bound['achieved/bound']:.2f} "
-                      f"of the bound (output tokens/s ratio {bound['throughput_ratio']:.3f})."]
+    for kernel, b in bounds.items():
+        lines += ["", f"Batch 1, {kernel}: measured draft/target step-cost ratio c = {b['c']:.3f}; accepted drafts "
+                      f"per step {b['accepted_drafts_per_step']:.2f}; bound (1 + a)/(1 + k c) = {b['bound']:.3f}; "
+                      f"achieved (TPOT no-spec / TPOT chain) {b['achieved']:.3f} = {b['achieved/bound']:.2f} "
+                      f"of the bound (output tokens/s ratio {b['throughput_ratio']:.3f})."]
+    protected = [r for r in rows if r["zero-protected-decode0/nospec"] or r["chain-protected/nospec"]]
+    if protected:
+        band = lambda b: "" if not b else f" ({b[0]:.3f}-{b[1]:.3f})"  # noqa: E731
+        lines += ["", "The protection as shipped (depth 0 a plain decode step), over no speculation (output tokens/s, "
+                      "min-max over pairs of repeats):", "",
+                  "| concurrency | zero acceptance, protected | its TPOT ratio | chain at the synthetic acceptance, "
+                  "protected | protected chain / unprotected chain (verify as decode) |", "|---|---|---|---|---|"]
+        for r in protected:
+            lines.append(f"| {r['concurrency']} | {fmt(r['zero-protected-decode0/nospec'])}"
+                         f"{band(r['zero-protected-decode0/nospec band'])} | "
+                         f"{fmt(r['zero-protected-decode0/nospec TPOT'])} | {fmt(r['chain-protected/nospec'])}"
+                         f"{band(r['chain-protected/nospec band'])} | {fmt(r['chain-protected/chain'])} |")
     pools = {k: v.get("pool") for k, v in arms.items() if v.get("pool")}
     if pools:
         lines += ["", "| arm | draft B/token | draft pool tokens | draft pool GiB | max running requests |",
@@ -466,7 +512,7 @@ def report(out_md: str) -> dict:
     os.makedirs(os.path.dirname(os.path.abspath(out_md)), exist_ok=True)
     open(out_md, "w").write("\n".join(lines) + "\n")
     _plot(state, os.path.splitext(out_md)[0] + ".png")
-    return {"rows": rows, "bound": bound}
+    return {"rows": rows, "bound": bound, "bounds": bounds}
 
 
 def _plot(state: dict, path: str) -> None:

@@ -53,11 +53,15 @@ def test_gpu_script_command_lines_parse():
     # SGLang's own default on Hopper is fa3)
     assert all(a[6] == "triton" for a in arms.values())
     # the batch-invariant set (SGLang's deterministic mode): the target alone, chains on upstream's verify kernel,
-    # and every drafting shape verified as decode attention (chain, tree, fp8 draft KV, overlap off)
+    # every drafting shape verified as decode attention (chain, tree, fp8 draft KV, overlap off), and the
+    # protection (adaptive depth with the cost policy: its depth 0 is a plain decode step)
     det = {n for n, a in arms.items() if a[5]}
-    assert det == {"target-deterministic", "mha-chain-deterministic", "mla-chain-deterministic"} | {
+    assert det == {"target-deterministic", "mha-chain-deterministic", "mla-chain-deterministic",
+                   "mha-chain-protected-deterministic"} | {
         f"{n}-verify-decode-deterministic" for n in ("mha-chain", "mla-chain", "mha-tree", "mla-tree", "mha-chain-fp8",
                                                      "mha-chain-no-overlap")}
+    assert dict(arms["mha-chain-protected-deterministic"][7]) == {"SGLANG_EXT_ADAPTIVE_POLICY": "cost",
+                                                                  "SGLANG_EXT_MLA_VERIFY": "decode"}
     assert arms["mha-chain-deterministic"][:2] == ["EAGLE3", 1] and arms["target-deterministic"][0] is None
     assert dict(arms["mha-chain-deterministic"][7]) == {"SGLANG_EXT_MLA_VERIFY": "extend"}
     assert dict(arms["mha-chain-fp8-verify-decode-deterministic"][7]) == {

@@ -55,6 +55,14 @@ def test_arms_server_arguments():
     assert args[args.index("--speculative-draft-model-path") + 1].endswith("head-mha-upstream")
     args, env = sb.server_args("zero-accept-protected", 32, 0.8)
     assert sb.SIM not in env and "--speculative-adaptive" in args and env["SGLANG_EXT_ADAPTIVE_POLICY"] == "cost"
+    # the protection as shipped runs depth 0 as a plain decode step; the earlier runs' protected arms keep
+    # upstream's one-token verify, so their state files mean what they meant
+    args, env = sb.server_args("zero-accept-protected-decode0", 32, 0.8)
+    assert "SGLANG_EXT_ADAPTIVE_DEPTH0" not in env and env["SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"] == "1"
+    args, env = sb.server_args("chain-protected-decode0", 32, 0.8)
+    assert env[sb.SIM] == "3.0" and "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND" not in env
+    for arm in ("zero-accept-protected", "zero-accept-protected-verify-decode"):
+        assert sb.server_args(arm, 32, 0.8)[1]["SGLANG_EXT_ADAPTIVE_DEPTH0"] == "verify"
     args, env = sb.server_args("nospec", 128, 0.8)
     assert "--speculative-algorithm" not in args and args[args.index("--disable-prefill-cuda-graph") - 1] == "128"
 
@@ -80,6 +88,19 @@ def test_report_from_a_state(tmp_path, monkeypatch):
     assert out["bound"]["achieved"] == pytest.approx(0.010 / 0.005)  # TPOT ratio, what the bound bounds
     text = (tmp_path / "benchmarks.md").read_text()
     assert "| 32 | 1.006" in text and "of the bound" in text and (tmp_path / "benchmarks.png").exists()
+    # the bound with verify as decode, and the protection's table (ratios over no speculation, with the band)
+    state["arms"].update({
+        "zero-accept-verify-decode": {"levels": {"1": runs([75, 75], 0.013, 0.0)}},
+        "plugin-chain-verify-decode": {"levels": {"1": runs([210, 212], 0.0048, 2.0)}},
+        "zero-accept-protected-decode0": {"levels": {"1": runs([98, 100], 0.0102), "32": runs([2900, 3050], 0.0112)}},
+        "chain-protected-decode0": {"levels": {"1": runs([205, 209], 0.0049, 2.0)}}})
+    json.dump(state, open(tmp_path / "state.json", "w"))
+    out = sb.report(str(tmp_path / "benchmarks.md"))
+    assert out["bounds"]["verify as decode"]["c"] == pytest.approx((0.013 / 0.010 - 1) / 3)
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "Batch 1, verify as decode: measured draft/target step-cost ratio c = 0.100" in text
+    assert f"| 1 | {99 / 101:.3f} ({98 / 102:.3f}-{100 / 100:.3f}) | {0.010 / 0.0102:.3f} | {207 / 101:.3f}" in text
+    assert f"| 32 | {2975 / 3050:.3f} ({2900 / 3100:.3f}-{3050 / 3000:.3f}) |" in text
     # a failed arm is named with its first error line; a profile is summarised
     state["arms"]["plugin-tree"] = {"levels": {}, "error": "OutOfMemoryError() at concurrency 32\nlog tail"}
     prof = {"window_ms": 100.0, "gpu_busy_ms": 40.0, "gpu_busy_fraction": 0.4, "steps": 10,
@@ -136,9 +157,9 @@ def test_upstream_copy_reads_the_same_layers_under_both_engines(tmp_path):
 def test_all_retries_failed_arms_and_redoes_on_request():
     state = {"arms": {"nospec": {"levels": {}}, "upstream-chain": {"error": "server did not start"},
                       "plugin-chain": {"levels": {}}}}
-    assert sb.arms_to_run(state, sb.PRIORITY[:4], []) == ["upstream-chain", "plugin-chain-verify-decode"]
-    assert sb.arms_to_run(state, sb.PRIORITY[:4], ["nospec"]) == ["nospec", "upstream-chain",
-                                                                  "plugin-chain-verify-decode"]
+    wanted = ["nospec", "plugin-chain", "upstream-chain", "plugin-chain-verify-decode"]
+    assert sb.arms_to_run(state, wanted, []) == ["upstream-chain", "plugin-chain-verify-decode"]
+    assert sb.arms_to_run(state, wanted, ["nospec"]) == ["nospec", "upstream-chain", "plugin-chain-verify-decode"]
     assert set(sb.PRIORITY) <= set(sb.ARMS)
 
 

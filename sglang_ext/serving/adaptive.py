@@ -165,6 +165,10 @@ def _validated(cfg: dict, original_fn):
 def warn_if_inert(server_args) -> None:
     if enabled() and not getattr(server_args, "speculative_adaptive", False):
         logger.warning("[sglang_ext] %s=cost has no effect without --speculative-adaptive", POLICY_ENV)
+    if enabled():
+        from sglang_ext.serving import decode_depth0
+
+        decode_depth0.mode()  # an unknown SGLANG_EXT_ADAPTIVE_DEPTH0 is refused at startup, not at depth 0
 
 
 AROUND_HOOKS = {

@@ -86,6 +86,12 @@ for _name in ("mha-chain", "mla-chain", "mha-tree", "mla-tree", "mha-chain-fp8",
     ARMS[f"{_name}-verify-decode-deterministic"] = (_head, _drafting, {**_env, "SGLANG_EXT_MLA_VERIFY": "decode"},
                                                     False, None)
     DETERMINISTIC.add(f"{_name}-verify-decode-deterministic")
+# the cost-model protection (adaptive depth, depth 0 as the target's plain decode step: serving/decode_depth0.py)
+# must not change a greedy output either: decode rows and verify-as-decode rows are the same bits in this mode
+ARMS["mha-chain-protected-deterministic"] = ("mha", CHAIN + ["--speculative-adaptive"],
+                                             {"SGLANG_EXT_ADAPTIVE_POLICY": "cost", "SGLANG_EXT_MLA_VERIFY": "decode"},
+                                             False, None)
+DETERMINISTIC.add("mha-chain-protected-deterministic")
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 WORDS = ["the", "a", "of", "and", "to", "is", "in", "number", "answer", "apples", "cost", "dollars", "what",
          "how", "many", "total", "each", "has"]
@@ -471,6 +477,11 @@ def main():
                     acc = accounting(rows, srv, log, base)
                     row.update(acc)
                     row["pool"] = pool_lines(log, head, env)
+                    if "--speculative-adaptive" in ARMS[name][1]:  # which depths ran: depth 0 must have been reached
+                        row["adaptive"] = {
+                            "plain_decode_depth0": "depth 0 runs the target as a plain decode step" in log,
+                            "switches": len(re.findall(r"Switch adaptive runtime state", log)),
+                            "summaries": re.findall(r"adaptive speculation summary: ([^\n]*)", log)[-6:]}
                     if sampled:
                         row["sampling"] = SAMPLED
                         row["accounting_passed"] = (acc["invariant_failures"] == 0 and acc["all_views_agree"]

@@ -1,0 +1,191 @@
+"""Depth 0 of adaptive speculation as the target's plain decode step.
+
+Why: under ``--speculative-adaptive`` SGLang 0.5.17 runs depth 0 (no drafting) as a one-token target verify:
+a TARGET_VERIFY CUDA graph of width 1 (EAGLE captures no DECODE graph for the target at all), verify
+preparation (slot assignment on the plan stream, a mask fill), EAGLE's verify sampling and hidden-state
+capture for the draft. On an H200 with a Kimi-K2.5-shaped target that step cost 1.04x a plain decode step at
+batch 1 and ~1.08x at 32-128 requests (docs/benchmarks.md, run 3), which held a draft that never accepts at
+0.92x of no speculation even when the cost policy stopped drafting.
+
+What: at depth 0 a decode batch runs the step a server without speculation runs -- input the bonus token,
+the KV slot the spec-v2 scheduler already reserved at ``seq_lens``, DECODE CUDA graphs (captured in place of
+depth 0's width-1 verify graphs: no extra memory), SGLang's normal sampler -- and returns what a depth-0
+verify returns: one accepted token per request, the sampled token as the next bonus token, the new lengths.
+The draft extend then runs as upstream's depth 0 runs it (its stub under
+``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1``, and then no hidden state is captured either).
+
+Batches that need what only the verify path does (grammar, logprobs, returned hidden states, custom logit
+processors, DP attention, a batch larger than the captured graphs) keep upstream's path; at depth 0 that
+verify then runs eagerly, since depth 0's graphs are decode graphs.
+
+``SGLANG_EXT_ADAPTIVE_DEPTH0``: ``decode`` (the default whenever the cost policy is on) or ``verify``
+(upstream's one-token verify). Extends (registered with the adaptive hooks, sglang_ext.plugin), SGLang 0.5.17:
+  * ``EAGLEWorkerV2.build_adaptive_runtime_state`` (AROUND) -- for depth 0, upstream's own build with
+    ``PlainDecodeGraphRunner`` (a ``DecodeCudaGraphRunner`` pinned to DECODE) as the target's graph runner;
+  * ``EAGLEWorkerV2.forward_batch_generation`` (AROUND) -- a decode batch at depth 0 runs ``plain_decode_step``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from sglang_ext.conventions import env_choice
+
+logger = logging.getLogger(__name__)
+
+ENV = "SGLANG_EXT_ADAPTIVE_DEPTH0"
+WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
+
+
+def mode() -> str:
+    """'decode' (unset; the default) or 'verify'; anything else is refused with field, value and fix."""
+    return env_choice(ENV, {"": "decode", "decode": "decode", "verify": "verify", "upstream": "verify"},
+                      "unknown depth-0 step", "use 'decode' (the default: a plain decode step) or 'verify' "
+                      "(upstream's one-token verify)")
+
+
+def enabled() -> bool:
+    from sglang_ext.serving import adaptive
+
+    return adaptive.enabled() and mode() == "decode"
+
+
+def skip_draft_extend() -> bool:
+    """Upstream's switch: at depth 0 the draft extend is replaced by a stub (the draft's KV then misses the
+    tokens decoded at depth 0; docs/design.md)."""
+    from sglang.srt.environ import envs
+
+    return bool(envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND.get())
+
+
+def hidden_mode():
+    """What the depth-0 target step captures: the aux hidden states only when the draft extend reads them."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    return CaptureHiddenMode.NULL if skip_draft_extend() else CaptureHiddenMode.FULL
+
+
+@functools.lru_cache(maxsize=None)
+def plain_decode_runner_class():
+    """``DecodeCudaGraphRunner`` pinned to plain DECODE graphs at one token per request. Upstream chooses the
+    capture mode inside ``__init__`` from the server's speculative algorithm (TARGET_VERIFY for EAGLE), before
+    ``capture()``; this subclass resets it at ``capture()``, captures no speculative input, and refuses to
+    replay anything but a decode batch (upstream's ``can_run_graph`` does not check the mode)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    class PlainDecodeGraphRunner(DecodeCudaGraphRunner):
+        def capture(self) -> None:
+            if self.captured_req_width != 1:
+                raise RuntimeError(f"[sglang_ext] depth 0 as plain decode: {self.captured_req_width} tokens per "
+                                   f"request (expected 1); set {ENV}=verify and report this")
+            self.capture_forward_mode = ForwardMode.DECODE
+            self.ragged_verify_mode = False  # a verify-only layout (SGLANG_RAGGED_VERIFY_MODE)
+            self.capture_hidden_mode = max(self.capture_hidden_mode, hidden_mode())
+            super().capture()
+
+        def get_spec_info(self, num_tokens: int):
+            return None
+
+        def can_run_graph(self, forward_batch) -> bool:
+            return forward_batch.forward_mode.is_decode() and super().can_run_graph(forward_batch)
+
+    return PlainDecodeGraphRunner
+
+
+def build_runtime_state(original_fn, self, speculative_num_steps, *args, **kwargs):
+    if speculative_num_steps != 0 or not enabled():
+        return original_fn(self, speculative_num_steps, *args, **kwargs)
+    import sglang.srt.speculative.eagle_worker_v2 as worker_module
+
+    upstream = worker_module.DecodeCudaGraphRunner  # the name upstream's build looks up at call time
+    worker_module.DecodeCudaGraphRunner = plain_decode_runner_class()
+    try:
+        state = original_fn(self, speculative_num_steps, *args, **kwargs)
+    finally:
+        worker_module.DecodeCudaGraphRunner = upstream
+    runner = state.target_graph_runner
+    logger.info("[sglang_ext] adaptive depth 0 runs the target as a plain decode step (%s=decode): decode graphs "
+                "for batch sizes %s, hidden states %s", ENV, getattr(runner, "capture_bs", None),
+                getattr(getattr(runner, "capture_hidden_mode", None), "name", None))
+    return state
+
+
+def plain_step_applies(worker, batch) -> bool:
+    """Whether this decode batch at depth 0 can run as a plain decode step (else upstream's verify path)."""
+    runner = worker._target_worker.model_runner.decode_cuda_graph_runner
+    if not isinstance(runner, plain_decode_runner_class()) or getattr(runner, "require_mlp_sync", False):
+        return False
+    spec = batch.spec_info
+    sampling = batch.sampling_info
+    return (getattr(spec, "bonus_tokens", None) is not None and worker.topk == 1
+            and len(batch.seq_lens) <= runner.max_bs  # graphs only: an eager decode needs host sequence lengths
+            and not batch.has_grammar and not batch.return_logprob and not batch.return_hidden_states
+            and not (sampling is not None and sampling.has_custom_logit_processor))
+
+
+def decode_view(seq_lens, seq_lens_cpu, seq_lens_sum):
+    """Spec v2 keeps ``seq_lens`` as the length before this step's token; a decode step counts it."""
+    bs = len(seq_lens)
+    return (seq_lens + 1, None if seq_lens_cpu is None else seq_lens_cpu + 1,
+            None if seq_lens_sum is None else seq_lens_sum + bs)
+
+
+def plain_decode_step(worker, batch, on_publish=None):
+    """The depth-0 step of ``EAGLEWorkerV2.forward_batch_generation`` as a plain decode forward + sample."""
+    import torch
+    from sglang.srt.layers.moe.utils import speculative_moe_a2a_backend_context, speculative_moe_backend_context
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+    bs = len(batch.seq_lens)
+    draft_input = batch.spec_info
+    before = batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum
+    batch.input_ids = draft_input.bonus_tokens
+    # the slot the scheduler reserved for this step's token (eagle_prepare_for_verify reads the same entry); one
+    # gather, no host synchronisation
+    batch.out_cache_loc = worker.req_to_token_pool.req_to_token[batch.req_pool_indices, batch.seq_lens].to(torch.int64)
+    batch.forward_mode = ForwardMode.DECODE
+    batch.spec_info = None
+    batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum = decode_view(*before)
+    try:
+        result = worker.target_worker.forward_batch_generation(batch, capture_hidden_mode=hidden_mode())
+    finally:
+        batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum = before
+        batch.spec_info = draft_input
+    seq_lens = before[0]
+    accept_lens = torch.ones(bs, dtype=torch.int32, device=seq_lens.device)
+    result.next_token_ids = result.next_token_ids.to(torch.int32)
+    result.accept_lens = accept_lens
+    result.new_seq_lens = seq_lens + accept_lens
+    result.speculative_num_draft_tokens = 1
+    result.next_draft_input = EagleDraftInput(bonus_tokens=result.next_token_ids)
+    result.extra_keep_alive_refs = [batch.input_ids, batch.out_cache_loc]
+    if on_publish is not None:
+        on_publish(result.new_seq_lens)
+    if skip_draft_extend():
+        worker._stub_skipped_draft_extend(batch, result)
+    else:
+        draft = worker.draft_worker
+        with draft.draft_tp_context(draft.draft_runner.tp_group), speculative_moe_backend_context(), \
+                speculative_moe_a2a_backend_context():
+            draft._draft_extend_for_decode(batch, result)
+    return result
+
+
+def forward_batch_generation(original_fn, self, batch, *args, **kwargs):
+    mode_ = batch.forward_mode
+    if mode_.is_extend() or batch.is_extend_in_batch or mode_.is_idle() or not enabled():
+        return original_fn(self, batch, *args, **kwargs)
+    self.activate_step_by_batch(batch.seq_lens.shape[0])  # upstream does it first thing too (idempotent)
+    if self.speculative_num_steps != 0 or not plain_step_applies(self, batch):
+        return original_fn(self, batch, *args, **kwargs)
+    on_publish = kwargs.get("on_publish", args[0] if args else None)
+    return plain_decode_step(self, batch, on_publish)
+
+
+AROUND_HOOKS = {
+    f"{WORKER}.build_adaptive_runtime_state": build_runtime_state,
+    f"{WORKER}.forward_batch_generation": forward_batch_generation,
+}
