@@ -214,3 +214,19 @@ def test_hooks_name_real_sglang_symbols_and_register_only_with_the_policy():
                            env=dict(os.environ, SGLANG_EXT_ADAPTIVE_POLICY=policy))
         assert p.returncode == 0, p.stderr[-3000:]
         assert p.stdout.strip().splitlines()[-1] == wrapped, (policy, p.stdout)
+
+
+def test_depth0_state_is_built_by_upstream_with_decode_graphs_and_only_depth0(policy_on):
+    """The runtime state of depth 0 is upstream's own build, with the plain decode runner where upstream names
+    its target graph runner; other depths and the name afterwards are upstream's."""
+    import sglang.srt.speculative.eagle_worker_v2 as W
+
+    upstream = W.DecodeCudaGraphRunner
+
+    def build(worker, speculative_num_steps, speculative_num_draft_tokens, cuda_graph_bs=None):
+        return types.SimpleNamespace(target_graph_runner=object.__new__(W.DecodeCudaGraphRunner))
+
+    depth0 = decode_depth0.build_runtime_state(build, None, speculative_num_steps=0, speculative_num_draft_tokens=1)
+    depth3 = decode_depth0.build_runtime_state(build, None, speculative_num_steps=3, speculative_num_draft_tokens=4)
+    assert type(depth0.target_graph_runner) is decode_depth0.plain_decode_runner_class()
+    assert type(depth3.target_graph_runner) is upstream and W.DecodeCudaGraphRunner is upstream
