@@ -150,3 +150,20 @@ def test_a_stale_low_depth_time_is_bounded_by_a_deeper_measured_one():
     assert pol.step_time(1) == 0.008
     pol.observe(1, [1], 0.5)  # one slow step: the median does not move
     assert pol.step_time(1) == 0.008
+
+
+def test_a_shallow_window_does_not_make_deep_drafting_look_better_than_measured():
+    """H200, Kimi-shaped target, 128 requests, a draft accepting exactly 2 of 3 (session 10): one step refills
+    the 64-request-step window, so at depth 1 it knew only position 1 (rate 1.0); extrapolated, depth 3 looked
+    like 3 accepted drafts per step and the policy went 1 -> 3 -> 1 at every decision (116 switches in a run).
+    Deeper positions now take the rates last measured at depth 3: the policy settles at depth 1."""
+    times = {0: 15.16e-3, 1: 24.0e-3, 3: 45.0e-3}
+    pol = CostModelPolicy([0, 1, 3], initial=3)
+    switches = []
+    for step in range(600):
+        k = pol.depth
+        d = pol.observe(k, [min(k, 2)] * 128, times[k])
+        if d.changed:
+            switches.append((step, d.reason))
+    assert pol.depth == 1 and pol.expected_accepted(3) == 2.0
+    assert all(step < 100 for step, _ in switches), switches[-3:]  # the measurements, then one decision

@@ -7,8 +7,8 @@ Throughput per request at depth k is
 
 with a the accepted drafts of a step (bonus excluded) and t(k) the measured wall time of a step
 at depth k. E[min(a, k)] = sum_{i<=k} P(a >= i) comes from the per-position acceptance of a recent
-window of steps; positions deeper than the window measured are extrapolated with its last
-conditional rate. t(k) is the median of the last `time_samples` step times where k ran (one slow step
+window of steps; positions deeper than the window measured take the conditional rates last measured at
+a deeper depth, and past those are extrapolated with the last conditional rate. t(k) is the median of the last `time_samples` step times where k ran (one slow step
 -- a request arriving, a state switch -- does not move it; an EMA did, and on an H200 a zero-acceptance
 run then left depth 0 for depth 1 or 3 on 37% of its steps); other depths are read off a
 line t(k) = t0 + k * d fitted to the measured depths (until two depths were measured, a draft step is
@@ -59,6 +59,7 @@ class CostModelPolicy:
         self.window: collections.deque = window if isinstance(window, collections.deque) else \
             collections.deque(maxlen=window)
         self.times: dict[int, float] = {}  # depth -> median of its recent step times
+        self.by_depth: dict[int, collections.deque] = {}  # depth -> its last window of accepted drafts (this policy)
         self._samples: dict[int, collections.deque] = {}
         self.time_samples = time_samples
         self.warmup, self.decide_every = warmup, decide_every
@@ -84,6 +85,8 @@ class CostModelPolicy:
             self.times[depth] = statistics.median(samples)
         if depth > 0:
             self.window.extend((depth, min(int(a), depth)) for a in accepted)
+            self.by_depth.setdefault(depth, collections.deque(maxlen=self.window.maxlen)).extend(
+                min(int(a), depth) for a in accepted)
         self._steps += 1
         self._since_decision += 1
         if self._exploring:
@@ -125,16 +128,33 @@ class CostModelPolicy:
         steps = [a for d, a in self.window if d == deepest]
         return deepest, [sum(a >= i for a in steps) / len(steps) for i in range(1, deepest + 1)]
 
-    def expected_accepted(self, k: int) -> float | None:
+    def per_position(self) -> list[float]:
+        """[P(a >= i) for i = 1..]: the window's, continued past its deepest depth with the conditional rates
+        P(a >= i | a >= i - 1) last measured at a deeper depth. At 128 requests one step refills the window, so
+        after a step at depth 1 it knows nothing past position 1; extrapolating its rate 1.0 there (a draft
+        accepting exactly 2 of 3, H200) predicted 3 accepted at depth 3, and the policy went 1 -> 3 -> 1 on
+        every decision."""
         depth, p = self.acceptance_at_depth()
+        deeper = [d for d, q in self.by_depth.items() if d > depth and q]
+        if p and deeper:
+            q = self.by_depth[max(deeper)]
+            tail = [sum(a >= i for a in q) / len(q) for i in range(1, max(deeper) + 1)]
+            for i in range(depth + 1, len(tail) + 1):
+                if tail[i - 2] == 0:  # no deep step got that far (e.g. before acceptance recovered): no rate known
+                    break
+                p.append(p[-1] * tail[i - 1] / tail[i - 2])
+        return p
+
+    def expected_accepted(self, k: int) -> float | None:
+        p = self.per_position()
         if not p:
             return None
         total = sum(p[:k])
-        if k > depth:
-            prev = p[-2] if depth >= 2 else 1.0
+        if k > len(p):
+            prev = p[-2] if len(p) >= 2 else 1.0
             rate = min(1.0, p[-1] / prev) if prev > 0 else 0.0
             last = p[-1]
-            for _ in range(k - depth):
+            for _ in range(k - len(p)):
                 last *= rate
                 total += last
         return total
