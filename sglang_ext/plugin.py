@@ -37,4 +37,5 @@ def register() -> None:
     acceptance.install_log_filter()
     logger.info("[sglang_ext] plugin registered: Eagle3 aux-layer capture, MLA head architectures, draft KV "
                 "pool sizing and dtype, acceptance reporting without the bonus token, cost-model adaptive speculation "
-                "(opt-in; depth 0 as a plain decode step), MLA verify as decode attention (chains by default; SGLANG_EXT_MLA_VERIFY), fp32 MLA targets")
+                "(opt-in; depth 0 as a plain decode step), MLA verify as decode attention (chains by default; "
+                "SGLANG_EXT_MLA_VERIFY), fp32 MLA targets")

@@ -8,10 +8,10 @@ Throughput per request at depth k is
 with a the accepted drafts of a step (bonus excluded) and t(k) the measured wall time of a step
 at depth k. E[min(a, k)] = sum_{i<=k} P(a >= i) comes from the per-position acceptance of a recent
 window of steps; positions deeper than the window measured take the conditional rates last measured at
-a deeper depth, and past those are extrapolated with the last conditional rate. t(k) is the median of the last `time_samples` step times where k ran (one slow step
--- a request arriving, a state switch -- does not move it; an EMA did, and on an H200 a zero-acceptance
-run then left depth 0 for depth 1 or 3 on 37% of its steps); other depths are read off a
-line t(k) = t0 + k * d fitted to the measured depths (until two depths were measured, a draft step is
+a deeper depth, and past those are extrapolated with the last conditional rate. t(k) is the median of the
+last `time_samples` step times where k ran (one slow step -- a request arriving, a state switch -- does
+not move it; an EMA did, and on an H200 a zero-acceptance run then left depth 0 for depth 1 or 3 on 37%
+of its steps); other depths are read off a line t(k) = t0 + k * d fitted to the measured depths (until two depths were measured, a draft step is
 assumed to cost `prior_draft_cost` of a step at k = 0: the only constant, and only until measured).
 Step times are non-decreasing in k (a step at depth k does a depth-0 step's verify and k draft
 forwards), so t(k) never exceeds a deeper depth's measured time: a low depth's estimate is only

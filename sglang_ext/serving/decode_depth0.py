@@ -175,8 +175,8 @@ def plain_decode_step(worker, batch, on_publish=None):
 
 
 def forward_batch_generation(original_fn, self, batch, *args, **kwargs):
-    mode_ = batch.forward_mode
-    if mode_.is_extend() or batch.is_extend_in_batch or mode_.is_idle() or not enabled():
+    forward_mode = batch.forward_mode
+    if forward_mode.is_extend() or batch.is_extend_in_batch or forward_mode.is_idle() or not enabled():
         return original_fn(self, batch, *args, **kwargs)
     self.activate_step_by_batch(batch.seq_lens.shape[0])  # upstream does it first thing too (idempotent)
     if self.speculative_num_steps != 0 or not plain_step_applies(self, batch):
