@@ -28,6 +28,19 @@ def drive(policy, steps, p, batch=8, base=10.0, per_draft=1.0, seed=0):
     return trace
 
 
+def replay_two_of_three(times, steps, batch=128):
+    """A draft that accepts exactly 2 of 3 drafts (the benchmark's SGLANG_SIMULATE_ACC_LEN=3.0) at fixed step
+    times per depth, starting at depth 3; returns the policy and its (step, reason) switches."""
+    pol = CostModelPolicy([0, 1, 3], initial=3)
+    switches = []
+    for step in range(steps):
+        k = pol.depth
+        d = pol.observe(k, [min(k, 2)] * batch, times[k])
+        if d.changed:
+            switches.append((step, d.reason))
+    return pol, switches
+
+
 def test_good_draft_keeps_drafting_deep():
     pol = CostModelPolicy([0, 1, 3], initial=3)
     trace = drive(pol, 400, p=0.8)
@@ -40,14 +53,8 @@ def test_an_unmeasured_cheaper_depth_is_measured_not_modelled():
     """H200, Kimi-shaped target, 128 requests, a draft accepting 2 of 3 (session 10): 54 ms per step at depth 3,
     14.5 ms at depth 0, ~25 ms at depth 1. With only depth 3 measured the model put depth 0 at 37 ms, so the
     policy kept depth 3 (0.83x of no speculation); measured, depth 1 gives the most tokens per second."""
-    times = {0: 14.5e-3, 1: 25e-3, 3: 54e-3}
-    pol = CostModelPolicy([0, 1, 3], initial=3)
-    explored = []
-    for _ in range(300):
-        k = pol.depth
-        d = pol.observe(k, [min(k, 2)] * 128, times[k])
-        if d.changed and "measure depth" in d.reason:
-            explored.append(d.reason)
+    pol, switches = replay_two_of_three({0: 14.5e-3, 1: 25e-3, 3: 54e-3}, steps=300)
+    explored = [reason for _, reason in switches if "measure depth" in reason]
     assert explored[0].startswith("depth 3 -> 0: measure depth 0's step time for 8 steps")
     assert pol.depth == 1 and set(pol.times) == {0, 1, 3}
 
@@ -157,13 +164,6 @@ def test_a_shallow_window_does_not_make_deep_drafting_look_better_than_measured(
     the 64-request-step window, so at depth 1 it knew only position 1 (rate 1.0); extrapolated, depth 3 looked
     like 3 accepted drafts per step and the policy went 1 -> 3 -> 1 at every decision (116 switches in a run).
     Deeper positions now take the rates last measured at depth 3: the policy settles at depth 1."""
-    times = {0: 15.16e-3, 1: 24.0e-3, 3: 45.0e-3}
-    pol = CostModelPolicy([0, 1, 3], initial=3)
-    switches = []
-    for step in range(600):
-        k = pol.depth
-        d = pol.observe(k, [min(k, 2)] * 128, times[k])
-        if d.changed:
-            switches.append((step, d.reason))
+    pol, switches = replay_two_of_three({0: 15.16e-3, 1: 24.0e-3, 3: 45.0e-3}, steps=600)
     assert pol.depth == 1 and pol.expected_accepted(3) == 2.0
     assert all(step < 100 for step, _ in switches), switches[-3:]  # the measurements, then one decision
