@@ -191,3 +191,11 @@ def test_profile_levels_for_every_arm_or_some():
     assert profile_levels_of(spec, "zero-accept-protected-verify-decode") == {64}
     with pytest.raises(SystemExit, match="nospek"):
         profile_levels_of("nospek:1", "nospec")
+
+
+def test_each_repeat_sends_new_prompts_and_every_arm_the_same_ones():
+    """A repeat must not find its prompts in the radix cache (runs 1-4 sent one set twice per level), and arms are
+    compared on the same prompts."""
+    seeds = {(c, r): sb.repeat_seed(c, r) for c in (1, 8, 32, 64, 128) for r in range(3)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert not {98, 99} & set(seeds.values())  # nor the warm-up's
