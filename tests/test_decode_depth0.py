@@ -40,7 +40,8 @@ class RecordingTarget:
     def forward_batch_generation(self, batch, capture_hidden_mode=None):
         self.seen = dict(mode=batch.forward_mode, input_ids=batch.input_ids.clone(),
                          out_cache_loc=batch.out_cache_loc.clone(), seq_lens=batch.seq_lens.clone(),
-                         seq_lens_cpu=batch.seq_lens_cpu.clone(), seq_lens_sum=batch.seq_lens_sum,
+                         seq_lens_cpu=None if batch.seq_lens_cpu is None else batch.seq_lens_cpu.clone(),
+                         seq_lens_sum=batch.seq_lens_sum,
                          spec_info=batch.spec_info, capture_hidden_mode=capture_hidden_mode)
         logits = torch.zeros(len(batch.seq_lens), VOCAB)
         return GenerationBatchResult(logits_output=LogitsProcessorOutput(next_token_logits=logits),
@@ -230,3 +231,14 @@ def test_depth0_state_is_built_by_upstream_with_decode_graphs_and_only_depth0(po
     depth3 = decode_depth0.build_runtime_state(build, None, speculative_num_steps=3, speculative_num_draft_tokens=4)
     assert type(depth0.target_graph_runner) is decode_depth0.plain_decode_runner_class()
     assert type(depth3.target_graph_runner) is upstream and W.DecodeCudaGraphRunner is upstream
+
+
+def test_without_host_sequence_lengths_the_step_stays_on_the_gpu(policy_on):
+    """Spec v2's overlap scheduler may leave the host copies of the lengths unset (no per-step synchronisation);
+    the step must not need them."""
+    worker, batch = make_worker(plain_runner()), make_batch()
+    batch.seq_lens_cpu, batch.seq_lens_sum = None, None
+    result = decode_depth0.forward_batch_generation(upstream_path, worker, batch)
+    seen = worker.target_worker.seen
+    assert seen["seq_lens"].tolist() == [6, 10, 18] and seen["seq_lens_cpu"] is None and seen["seq_lens_sum"] is None
+    assert result.new_seq_lens.tolist() == [6, 10, 18] and batch.seq_lens_cpu is None and batch.seq_lens_sum is None
