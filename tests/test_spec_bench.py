@@ -203,8 +203,9 @@ def test_each_repeat_sends_new_prompts_and_every_arm_the_same_ones():
 
 def test_a_run_of_only_the_protections_arms_prints_no_empty_table(tmp_path, monkeypatch):
     monkeypatch.setattr(sb, "WORK", str(tmp_path))
-    runs = lambda tps, tpot: [{"output_tokens_per_s": t, "tpot_mean_s": tpot, "accepted_drafts_per_step": 0.0}  # noqa: E731
-                              for t in tps]
+    def runs(tps, tpot):
+        return [{"output_tokens_per_s": t, "tpot_mean_s": tpot, "accepted_drafts_per_step": 0.0} for t in tps]
+
     state = {"build": {}, "arms": {"nospec": {"levels": {"32": runs([4000, 4100], 0.0074)}},
                                    "zero-accept-protected-decode0": {"levels": {"32": runs([3900, 4000], 0.0076)}}}}
     json.dump(state, open(tmp_path / "state.json", "w"))
