@@ -72,6 +72,11 @@ ARMS = {
     # and stop where it does not (the draft extend stays on: the draft's KV is kept warm at depth 0)
     "chain-protected-decode0": ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"},
                                 True),
+    # the protection where drafting barely pays: 0.5 accepted drafts per step (SGLang's "match-expected" sampling
+    # of 1.5 tokens per step: the first draft accepted on half the steps, the others never), the break-even region
+    # where a wrong choice of depth costs most
+    "low-accept-protected-decode0": ("mha", CHAIN + ["--speculative-adaptive"],
+                                     {"SGLANG_EXT_ADAPTIVE_POLICY": "cost", SIM: "1.5"}, False),
     # the draft's format and KV dtype, at the plugin's defaults (chains verified as decode attention)
     "plugin-mla-chain": ("mla", CHAIN, {}, True),
     "plugin-mla-tree": ("mla", TREE, {}, True),
@@ -84,7 +89,8 @@ ARMS = {
 
 
 # the order `all` runs them in: what the ratios need first (c comes from zero-accept at batch 1)
-PRIORITY = ["nospec", "zero-accept-protected-decode0", "chain-protected-decode0", "plugin-chain-verify-decode",
+PRIORITY = ["nospec", "zero-accept-protected-decode0", "chain-protected-decode0", "low-accept-protected-decode0",
+            "plugin-chain-verify-decode",
             "zero-accept-verify-decode", "plugin-chain", "upstream-chain", "plugin-fp8", "plugin-mla-chain",
             "zero-accept-protected-verify-decode", "zero-accept", "plugin-tree-verify-decode",
             "zero-accept-protected", "plugin-tree", "plugin-mla-tree"]
@@ -302,15 +308,31 @@ def profile_level(srv, ps: list[str], concurrency: int, output_len: int, steps: 
     return {"error": "no trace written"}
 
 
+def level_seed(concurrency: int, purpose: str) -> int:
+    """Prompt seeds of a level's untimed passes, apart from every repeat's (`repeat_seed`)."""
+    return 1000 * concurrency + {"warmup": 900, "prefill": 800}[purpose]
+
+
 def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_len: int, max_bs: int,
-            mem_fraction: float, port: int, profile_at: set[int] = frozenset()) -> dict:
+            mem_fraction: float, port: int, profile_at: set[int] = frozenset(), waves: int = 2,
+            warmup_tokens: int = 32) -> dict:
+    """Each level: a warm-up pass, a prefill pass, then `repeats` timed passes of `waves` requests per client.
+
+    - Warm-up (`warmup_tokens` per request, new prompts, at the level's concurrency; kept as `warmup`): the first
+      time a server runs a batch size it pays one-time costs that a server in production pays once in its life
+      (in run 4 the protected arm's first steps at 64 requests took 71 ms against 9 ms later, and its adaptive
+      slot for that size was set up). Without this pass they landed in the first timed repeat of each level.
+    - Prefill (`prefill`): `concurrency` new prompts at once, one output token each: how long the server takes
+      to prefill them, which is where a speculative server's own prefill work (the target's aux-state capture
+      and the draft's prefill) shows, apart from its decode steps.
+    """
     os.environ["GPU_CHECK_PORT"] = str(port)
     Server = serverlib().Server
 
     from eval.bench import run_arm as measure
 
     args, env = server_args(arm, max_bs, mem_fraction)
-    row = {"arm": arm, "args": args, "env": env, "levels": {}}
+    row = {"arm": arm, "args": args, "env": env, "levels": {}, "waves": waves, "warmup_tokens": warmup_tokens}
     with Server(f"bench-{arm}", args, env) as srv:
         if not srv.wait_ready(420):
             row["error"] = f"server did not start: {srv.last_error()}\n{srv.log()[-3000:]}"
@@ -322,13 +344,20 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
         measure(srv.url, prompts(1, input_len, seed=98), 1, [32])
         try:
             for c in levels:
-                n = max(4, 2 * c)
+                if warmup_tokens > 0:
+                    row.setdefault("warmup", {})[str(c)] = measure(
+                        srv.url, prompts(c, input_len, seed=level_seed(c, "warmup")), c, [warmup_tokens] * c)
+                row.setdefault("prefill", {})[str(c)] = measure(
+                    srv.url, prompts(c, input_len, seed=level_seed(c, "prefill")), c, [1] * c)
+                n = max(4, waves * c)
                 runs = [measure(srv.url, prompts(n, input_len, seed=repeat_seed(c, r)), c, [output_len] * n)
                         for r in range(repeats)]
                 row["levels"][str(c)] = runs
                 tps = [r["output_tokens_per_s"] for r in runs]
                 print(f"[bench] {arm} c={c}: {statistics.mean(tps):.1f} tok/s (min {min(tps):.1f}, max {max(tps):.1f}), "
-                      f"TPOT {1e3 * statistics.mean(r['tpot_mean_s'] for r in runs):.2f} ms, accepted drafts/step "
+                      f"TPOT {1e3 * statistics.mean(r['tpot_mean_s'] for r in runs):.2f} ms, first token "
+                      f"{1e3 * statistics.mean(r['ttft_mean_s'] for r in runs):.0f} ms, prefill of {c} "
+                      f"{1e3 * row['prefill'][str(c)]['wall_s']:.0f} ms, accepted drafts/step "
                       f"{runs[-1]['accepted_drafts_per_step']}", flush=True)
                 if c in profile_at:
                     prof = profile_level(srv, prompts(4 * c, input_len, seed=c + 1), c, output_len, 10,
@@ -446,8 +475,33 @@ def ratio_rows(state: dict) -> list[dict]:
                      "zero-protected-decode0/nospec TPOT": r_tpot("nospec", "zero-accept-protected-decode0"),
                      "chain-protected/nospec": r("chain-protected-decode0", "nospec"),
                      "chain-protected/nospec band": band("chain-protected-decode0", "nospec"),
-                     "chain-protected/chain": r("chain-protected-decode0", "plugin-chain-verify-decode")})
+                     "chain-protected/chain": r("chain-protected-decode0", "plugin-chain-verify-decode"),
+                     "low-protected/nospec": r("low-accept-protected-decode0", "nospec"),
+                     "low-protected/nospec band": band("low-accept-protected-decode0", "nospec")})
     return rows
+
+
+def prefill_lines(arms: dict) -> list[str]:
+    """Each arm's prefill pass (`concurrency` new prompts at once, one output token each) against no
+    speculation's: the speculative server's own prefill work (aux-state capture, the draft's prefill)."""
+    have = {k: v["prefill"] for k, v in arms.items() if v.get("prefill")}
+    if not have:
+        return []
+    levels = sorted({int(c) for p in have.values() for c in p})
+    base = have.get("nospec", {})
+    lines = ["", "Prefill of `concurrency` new prompts at once (one output token each): wall ms (/ no speculation's):",
+             "", "| arm | " + " | ".join(f"c = {c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+    for k, p in have.items():
+        cells = []
+        for c in map(str, levels):
+            if c not in p:
+                cells.append("—")
+                continue
+            ms = 1e3 * p[c]["wall_s"]
+            ratio = f" ({p[c]['wall_s'] / base[c]['wall_s']:.2f})" if k != "nospec" and c in base else ""
+            cells.append(f"{ms:.0f}{ratio}")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def report(out_md: str) -> dict:
@@ -487,18 +541,22 @@ def report(out_md: str) -> dict:
                       f"per step {b['accepted_drafts_per_step']:.2f}; bound (1 + a)/(1 + k c) = {b['bound']:.3f}; "
                       f"achieved (TPOT no-spec / TPOT chain) {b['achieved']:.3f} = {b['achieved/bound']:.2f} "
                       f"of the bound (output tokens/s ratio {b['throughput_ratio']:.3f})."]
-    protected = [r for r in rows if r["zero-protected-decode0/nospec"] or r["chain-protected/nospec"]]
+    protected = [r for r in rows if r["zero-protected-decode0/nospec"] or r["chain-protected/nospec"]
+                 or r["low-protected/nospec"]]
     if protected:
         band = lambda b: "" if not b else f" ({b[0]:.3f}-{b[1]:.3f})"  # noqa: E731
         lines += ["", "The protection as shipped (depth 0 a plain decode step), over no speculation (output tokens/s, "
                       "min-max over pairs of repeats):", "",
-                  "| concurrency | zero acceptance, protected | its TPOT ratio | chain at the synthetic acceptance, "
-                  "protected | protected chain / unprotected chain (verify as decode) |", "|---|---|---|---|---|"]
+                  "| concurrency | zero acceptance, protected | its TPOT ratio | 0.5 accepted drafts/step, protected | "
+                  "2 accepted drafts/step, protected | protected chain / unprotected chain (verify as decode) |",
+                  "|---|---|---|---|---|---|"]
         for r in protected:
             lines.append(f"| {r['concurrency']} | {fmt(r['zero-protected-decode0/nospec'])}"
                          f"{band(r['zero-protected-decode0/nospec band'])} | "
-                         f"{fmt(r['zero-protected-decode0/nospec TPOT'])} | {fmt(r['chain-protected/nospec'])}"
+                         f"{fmt(r['zero-protected-decode0/nospec TPOT'])} | {fmt(r['low-protected/nospec'])}"
+                         f"{band(r['low-protected/nospec band'])} | {fmt(r['chain-protected/nospec'])}"
                          f"{band(r['chain-protected/nospec band'])} | {fmt(r['chain-protected/chain'])} |")
+    lines += prefill_lines(arms)
     pools = {k: v.get("pool") for k, v in arms.items() if v.get("pool")}
     if pools:
         lines += ["", "| arm | draft B/token | draft pool tokens | draft pool GiB | max running requests |",
@@ -566,6 +624,9 @@ def main(argv=None) -> int:
     r.add_argument("--input-len", type=int, default=256)
     r.add_argument("--output-len", type=int, default=256)
     r.add_argument("--max-bs", type=int, default=128)
+    r.add_argument("--waves", type=int, default=2, help="timed requests per client in each repeat (at least 4 in all)")
+    r.add_argument("--warmup-tokens", type=int, default=32,
+                   help="output tokens of each level's untimed warm-up pass (0: none, as in runs 1-4)")
     # 0.6: with the Triton MLA backend at 128 requests, SGLang's target-verify CUDA graphs take 17 GiB (chain) /
     # 34 GiB (tree) and an MLA head's draft graphs 25 GiB more (H200, Kimi-K2.5 shapes); at 0.8 upstream ran out
     # of memory capturing them, and at 0.7 the MLA head did at 32 requests
@@ -604,6 +665,7 @@ def main(argv=None) -> int:
         todo = arms_to_run(state, args.arms or PRIORITY, [a for a in args.redo.split(",") if a])
         run_opts = ["--concurrency", args.concurrency, "--repeats", str(args.repeats), "--input-len",
                     str(args.input_len), "--output-len", str(args.output_len), "--max-bs", str(args.max_bs),
+                    "--waves", str(args.waves), "--warmup-tokens", str(args.warmup_tokens),
                     "--mem-fraction-static", str(args.mem_fraction_static), "--port", str(args.port),
                     "--deadline-s", str(args.deadline_s)] + \
                    ([] if args.profile_at is None else ["--profile-at", args.profile_at])
@@ -623,7 +685,7 @@ def main(argv=None) -> int:
                 continue
             row = run_arm(arm, [int(c) for c in args.concurrency.split(",")], args.repeats, args.input_len,
                           args.output_len, args.max_bs, args.mem_fraction_static, args.port,
-                          profile_levels_of(args.profile_at, arm))
+                          profile_levels_of(args.profile_at, arm), args.waves, args.warmup_tokens)
             state.setdefault("arms", {})[arm] = row
             json.dump(state, open(state_path, "w"))
             if "error" in row:  # the next arm may still run (each arm is its own server)

@@ -131,6 +131,19 @@ def test_bench_stream_parsing_and_summary():
     assert s["output_tokens_per_s"] == 5.0 and s["accepted_drafts_per_step"] == 1.5
 
 
+def test_bench_p99_is_nearest_rank_and_requests_are_kept_in_order():
+    """p99 of 4 first-token times is the slowest one (the old index gave the 3rd of 4: a 400 ms first request
+    hid behind a 31 ms "p99"), and each request's start, first token and end are kept, from the first start."""
+    from eval import bench
+
+    rows = [{"start": 10.0 + i * 0.5, "ttft": t, "latency": 1.0, "tpot": 0.01, "completion_tokens": 5, "spec": None}
+            for i, t in enumerate([0.4, 0.03, 0.031, 0.029])]
+    s = bench.summarize(rows, 3.0)
+    assert s["ttft_p99_s"] == 0.4
+    assert s["per_request_ms"][0] == [0.0, 400.0, 1000.0] and s["per_request_ms"][3] == [1500.0, 1529.0, 2500.0]
+    assert bench.percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and bench.percentile([5.0], 0.99) == 5.0
+
+
 def test_truncated_server_histogram_uses_the_server_depth():
     # SGLang reported [7] for 7 verify steps with no accepted draft at --speculative-num-steps 3
     spec = G.spec_from_meta({"spec_verify_ct": 7, "spec_correct_drafts_histogram": [7]})

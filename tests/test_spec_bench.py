@@ -99,7 +99,7 @@ def test_report_from_a_state(tmp_path, monkeypatch):
     assert out["bounds"]["verify as decode"]["c"] == pytest.approx((0.013 / 0.010 - 1) / 3)
     text = (tmp_path / "benchmarks.md").read_text()
     assert "Batch 1, verify as decode: measured draft/target step-cost ratio c = 0.100" in text
-    assert f"| 1 | {99 / 101:.3f} ({98 / 102:.3f}-{100 / 100:.3f}) | {0.010 / 0.0102:.3f} | {207 / 101:.3f}" in text
+    assert f"| 1 | {99 / 101:.3f} ({98 / 102:.3f}-{100 / 100:.3f}) | {0.010 / 0.0102:.3f} | — | {207 / 101:.3f}" in text
     assert f"| 32 | {2975 / 3050:.3f} ({2900 / 3100:.3f}-{3050 / 3000:.3f}) |" in text
     # a failed arm is named with its first error line; a profile is summarised
     state["arms"]["plugin-tree"] = {"levels": {}, "error": "OutOfMemoryError() at concurrency 32\nlog tail"}
@@ -199,6 +199,30 @@ def test_each_repeat_sends_new_prompts_and_every_arm_the_same_ones():
     seeds = {(c, r): sb.repeat_seed(c, r) for c in (1, 8, 32, 64, 128) for r in range(3)}
     assert len(set(seeds.values())) == len(seeds)
     assert not {98, 99} & set(seeds.values())  # nor the warm-up's
+    # nor a level's own untimed passes (its warm-up, its prefill pass), which differ from each other too
+    passes = {sb.level_seed(c, p) for c in (1, 8, 32, 64, 128) for p in ("warmup", "prefill")}
+    assert len(passes) == 10 and not passes & set(seeds.values())
+
+
+def test_low_acceptance_arm_and_the_prefill_table(tmp_path, monkeypatch):
+    """The break-even arm runs the protection at 1.5 simulated tokens per step whatever SPEC_BENCH_SIM says, and
+    the report sets each arm's prefill pass against no speculation's."""
+    monkeypatch.setenv("SPEC_BENCH_SIM", "3.0")
+    args, env = sb.server_args("low-accept-protected-decode0", 32, 0.6)
+    assert env[sb.SIM] == "1.5" and env["SGLANG_EXT_ADAPTIVE_POLICY"] == "cost" and "--speculative-adaptive" in args
+    monkeypatch.setattr(sb, "WORK", str(tmp_path))
+    def runs(tps, tpot):
+        return [{"output_tokens_per_s": t, "tpot_mean_s": tpot, "accepted_drafts_per_step": None} for t in tps]
+
+    state = {"build": {}, "arms": {
+        "nospec": {"levels": {"32": runs([4000, 4000], 0.0074)}, "prefill": {"32": {"wall_s": 0.200}}},
+        "low-accept-protected-decode0": {"levels": {"32": runs([4400, 4600], 0.0068)},
+                                         "prefill": {"32": {"wall_s": 0.230}, "8": {"wall_s": 0.07}}}}}
+    json.dump(state, open(tmp_path / "state.json", "w"))
+    sb.report(str(tmp_path / "benchmarks.md"))
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "| 32 | — | — | 1.125 (1.100-1.150) | — | — |" in text
+    assert "| nospec | — | 200 |" in text and "| low-accept-protected-decode0 | 70 | 230 (1.15) |" in text
 
 
 def test_a_run_of_only_the_protections_arms_prints_no_empty_table(tmp_path, monkeypatch):

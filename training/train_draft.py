@@ -382,6 +382,11 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
              "planned steps)" if metrics.get("planned_steps", 0) > metrics.get("total_steps", 0) else "")
           + (" -- stopped early by --max-train-minutes" if metrics.get("stopped_early") else "")
           + f"; TTT attention {'+'.join(metrics.get('ttt_attention', [])) or '-'}")
+    if "steady" in metrics:  # after the warm-up steps: the rate a long run sustains, and a step's memory
+        st = metrics["steady"]
+        print(f"[train-draft] steady: {st['tokens'] * world / max(st['seconds'], 1e-9):.0f} tokens/s over {st['steps']} "
+              "steps" + (f"; a step needs {st['step_peak_above_resident_gib']:.2f} GiB above "
+                         f"{st['resident_gib']:.2f} GiB resident" if "resident_gib" in st else ""))
 
     if rank != 0:  # every rank holds the same weights; rank 0 exports and measures
         return 0

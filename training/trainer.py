@@ -381,9 +381,14 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     steady_from = None
     while step < total:
         if step == pace_start:
+            resident = 0
             if device.type == "cuda":  # the warm-up steps' kernels end before the clock starts
                 torch.cuda.synchronize(device)
-            steady_from = (step, clock(), tokens_trained)
+                # what a step needs above what stays allocated between steps (weights, optimizer state,
+                # resident features): the peak from here on, less this
+                torch.cuda.reset_peak_memory_stats(device)
+                resident = torch.cuda.memory_allocated(device)
+            steady_from = (step, clock(), tokens_trained, resident)
         if cfg.max_seconds is not None and step == pace_start:
             pace_from = (step, clock())
         if pace_from is not None and step > pace_from[0] and (step - pace_from[0]) % 10 == 0:
@@ -475,6 +480,10 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
             torch.cuda.synchronize(device)
         metrics["steady"] = {"steps": step - steady_from[0], "seconds": clock() - steady_from[1],
                              "tokens": tokens_trained - steady_from[2]}  # this rank's
+        if device.type == "cuda":
+            metrics["steady"]["resident_gib"] = round(steady_from[3] / 2**30, 3)
+            metrics["steady"]["step_peak_above_resident_gib"] = round(
+                (torch.cuda.max_memory_allocated(device) - steady_from[3]) / 2**30, 3)
     if profiler is not None:
         _log_profile(profiler, device, step - first_step - 2, log)
     metrics["ttt_attention"] = sorted(TTT_PATHS_USED)  # "fused" unless the kernel was unavailable

@@ -60,12 +60,14 @@ os.environ.setdefault("GPU_CHECK_WORK", CHECK_WORK)
 os.environ.setdefault("GPU_CHECK_EXTRA_ARGS", "--enable-fp32-lm-head")
 DEADLINE = float(os.environ.get("PIPE_DEADLINE", time.time() + 3600))
 # steps a session that measured them already may leave out (comma-separated): gsm8k (the GSM8K evals),
-# upstream (the target in SGLang without the plugin), noise (the target's batch noise floor), specforge
+# upstream (the target in SGLang without the plugin), noise (the target's batch noise floor), specforge,
+# fp32 (the target served in fp32 against transformers), mla (the MLA head's training: the MHA head alone)
 SKIP = set(filter(None, os.environ.get("PIPE_SKIP", "").split(",")))
-UNKNOWN_SKIP = SKIP - {"gsm8k", "upstream", "noise", "specforge"}
+SKIPPABLE = ["gsm8k", "upstream", "noise", "specforge", "fp32", "mla"]
+UNKNOWN_SKIP = SKIP - set(SKIPPABLE)
 if UNKNOWN_SKIP:
     raise SystemExit(f"PIPE_SKIP={os.environ['PIPE_SKIP']}: unknown step(s) {sorted(UNKNOWN_SKIP)}; "
-                     "choose from gsm8k, upstream, noise, specforge")
+                     f"choose from {', '.join(SKIPPABLE)}")
 PY = sys.executable
 
 
@@ -197,7 +199,7 @@ def step_target_and_regen() -> dict:
     greedy_prompts = CST.prompts(tok)
     trainers = {}
     need_regen = not os.path.exists(f"{CHECK_WORK}/head-mha/model.safetensors")
-    mla_missing = not os.path.exists(f"{CHECK_WORK}/head-mla/model.safetensors")
+    mla_missing = "mla" not in SKIP and not os.path.exists(f"{CHECK_WORK}/head-mla/model.safetensors")
     if "reference" in state and os.path.exists(f"{RESULTS}/scale_greedy.json") and not need_regen:
         if mla_missing and os.path.exists(f"{ROOT}/train-mha/features/manifest.json"):
             trainers["mla"] = start_mla_trainer()
@@ -255,16 +257,17 @@ def step_target_and_regen() -> dict:
     # the same comparison with SGLang computing in fp32 like the transformers reference: what remains of the
     # bf16 partings above is then kernel order, not the dtype
     # (SGLang 0.5.17 needs the plugin for it: sglang_ext/serving/fp32.py; TRITON_F32_DEFAULT: no TF32 in Triton dots)
-    srv3 = Server("scale-target-fp32", CS.server_args(None, []) + ["--dtype", "float32"],
-                  {"TRITON_F32_DEFAULT": "ieee"})
-    with srv3:
-        if srv3.wait_ready(300):
-            frows = CST.greedy_ids(srv3, greedy_prompts)
-            greedy["plugin_fp32"] = dict(CST.compare(ref, frows), start_s=srv3.ready_s)
-            say(f"fp32: ready in {srv3.ready_s:.0f}s; vs transformers fp32 {greedy['plugin_fp32']}")
-        else:
-            greedy["plugin_fp32"] = {"error": srv3.last_error()}
-            say("fp32: server did not start\n" + srv3.log()[-2000:])
+    if "fp32" not in SKIP:
+        srv3 = Server("scale-target-fp32", CS.server_args(None, []) + ["--dtype", "float32"],
+                      {"TRITON_F32_DEFAULT": "ieee"})
+        with srv3:
+            if srv3.wait_ready(300):
+                frows = CST.greedy_ids(srv3, greedy_prompts)
+                greedy["plugin_fp32"] = dict(CST.compare(ref, frows), start_s=srv3.ready_s)
+                say(f"fp32: ready in {srv3.ready_s:.0f}s; vs transformers fp32 {greedy['plugin_fp32']}")
+            else:
+                greedy["plugin_fp32"] = {"error": srv3.last_error()}
+                say("fp32: server did not start\n" + srv3.log()[-2000:])
     greedy["prompts"], greedy["max_new_tokens"] = len(greedy_prompts), CST.MAX_NEW
     save("scale_greedy.json", greedy)
     if "mha" in trainers:
