@@ -167,3 +167,34 @@ def test_a_shallow_window_does_not_make_deep_drafting_look_better_than_measured(
     pol, switches = replay_two_of_three({0: 15.16e-3, 1: 24.0e-3, 3: 45.0e-3}, steps=600)
     assert pol.depth == 1 and pol.expected_accepted(3) == 2.0
     assert all(step < 100 for step, _ in switches), switches[-3:]  # the measurements, then one decision
+
+
+def test_the_draft_state_is_kept_current_only_while_drafting_or_just_before_a_probe():
+    """At depth 0 the draft extend runs only in the `lead` steps before a probe (serving/decode_depth0.py, warm
+    mode): every depth-0 step ran it before, and that made depth 0 cost 1.2x a plain decode step at 64-128
+    requests on an H200. So: off for most of depth 0, on from `lead` steps before each probe, on while probing."""
+    pol = CostModelPolicy([0, 1, 3], initial=3, probe_every=100, probe_len=8, max_probe_every=100)
+    assert pol.needs_draft_state(lead=10)  # drafting at depth 3
+    drive(pol, 40, p=0.0)
+    assert pol.depth == 0
+    wanted = []
+    for _ in range(300):
+        wanted.append((pol.depth, pol.needs_draft_state(lead=10)))  # asked before the step runs, as the hook does
+        pol.observe(pol.depth, [0] * 8 if pol.depth else [], step_ms(pol.depth))
+    at_zero = [w for k, w in wanted if k == 0]
+    assert all(w for k, w in wanted if k > 0)  # every probe step drafts from a current state
+    # of each 100 depth-0 steps between probes, the last 10 keep it current: each probe starts warm
+    assert 0.08 < sum(at_zero) / len(at_zero) < 0.13
+    starts = [i for i in range(1, len(wanted)) if wanted[i][0] > 0 and wanted[i - 1][0] == 0]
+    assert starts and all(all(w for _, w in wanted[s - 10:s]) for s in starts)
+    assert not any(w for _, w in wanted[starts[0] + 8 + 1:starts[0] + 8 + 50])  # off again after the probe
+
+
+def test_exploring_depth0_measures_it_without_the_draft_extend():
+    pol = CostModelPolicy([0, 1, 3], initial=3, explore_len=8)
+    for _ in range(20):  # depth 3 pays: 2 of 3 accepted, but depth 0 was never measured at this batch size
+        if pol.depth == 0:
+            break
+        pol.observe(pol.depth, [2] * 4, step_ms(pol.depth, per_draft=20.0))
+    assert pol.depth == 0 and pol._exploring
+    assert not pol.needs_draft_state(lead=10_000)

@@ -140,6 +140,49 @@ def test_with_the_draft_extend_on_the_step_captures_hidden_states_for_it(policy_
     assert extended[0][0].tolist() == worker.target_worker.seen["out_cache_loc"].tolist()
 
 
+@pytest.mark.parametrize("mode,steps_to_probe,extends", [("", 500, False), ("", 20, True), ("warm", 33, False),
+                                                          ("keep", 500, True), ("skip", 20, False)])
+def test_the_draft_extend_runs_at_depth0_only_before_a_probe(policy_on, monkeypatch, mode, steps_to_probe, extends):
+    """Warm mode (the default): the draft extend at depth 0 only in the 32 steps before the slot's next probe, the
+    stub otherwise; 'keep' runs it on every step, 'skip' never. The step captures hidden states unless skipped."""
+    from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
+
+    from sglang_ext.core.adaptive import CostModelPolicy
+
+    monkeypatch.delenv("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND")
+    monkeypatch.setenv(decode_depth0.EXTEND_ENV, mode)
+    worker, batch = make_worker(plain_runner()), make_batch()
+    params = AdaptiveSpeculativeParams(initial_steps=0)  # upstream's routing of batch sizes to slots
+    policy = CostModelPolicy([0, 1, 3], initial=0, probe_every=600)
+    policy._at_zero = 600 - steps_to_probe
+    params._route(3)._sglang_ext_policy = policy
+    worker.adaptive_controller = types.SimpleNamespace(params=params,
+                                                       activate_step_by_batch=lambda bs: None)
+    extended = []
+    worker._draft_worker.draft_tp_context = lambda group: _null()
+    worker._draft_worker.draft_runner.tp_group = None
+    worker._draft_worker._draft_extend_for_decode = lambda b, r: extended.append(r)
+    result = decode_depth0.forward_batch_generation(upstream_path, worker, batch)
+    assert len(extended) == int(extends)
+    if not extends:  # upstream's stub filled what the overlap relay stashes
+        assert result.next_draft_input.hidden_states.shape == (3, HIDDEN)
+    want = CaptureHiddenMode.NULL if mode == "skip" else CaptureHiddenMode.FULL
+    assert worker.target_worker.seen["capture_hidden_mode"] == want
+
+
+def test_an_unknown_depth0_draft_extend_mode_is_refused_at_startup(monkeypatch):
+    from sglang_ext.serving import adaptive
+
+    monkeypatch.setenv("SGLANG_EXT_ADAPTIVE_POLICY", "cost")
+    monkeypatch.setenv(decode_depth0.EXTEND_ENV, "sometimes")
+    adaptive.enabled.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND.*sometimes.*'warm'"):
+            adaptive.warn_if_inert(types.SimpleNamespace(speculative_adaptive=True))
+    finally:
+        adaptive.enabled.cache_clear()
+
+
 class _null:
     def __enter__(self):
         return self

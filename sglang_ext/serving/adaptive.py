@@ -169,6 +169,7 @@ def warn_if_inert(server_args) -> None:
         from sglang_ext.serving import decode_depth0
 
         decode_depth0.mode()  # an unknown SGLANG_EXT_ADAPTIVE_DEPTH0 is refused at startup, not at depth 0
+        decode_depth0.extend_mode()  # and so is an unknown SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND
 
 
 AROUND_HOOKS = {

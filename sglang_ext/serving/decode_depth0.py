@@ -11,8 +11,12 @@ What: at depth 0 a decode batch runs the step a server without speculation runs 
 the KV slot the spec-v2 scheduler already reserved at ``seq_lens``, DECODE CUDA graphs (captured in place of
 depth 0's width-1 verify graphs: no extra memory), SGLang's normal sampler -- and returns what a depth-0
 verify returns: one accepted token per request, the sampled token as the next bonus token, the new lengths.
-The draft extend then runs as upstream's depth 0 runs it (its stub under
-``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1``, and then no hidden state is captured either).
+The draft extend (which keeps the draft's KV and last hidden state current) runs only in the
+``WARM_LEAD_STEPS`` steps before the policy's next probe; on the other depth-0 steps upstream's stub stands in for
+it. On every depth-0 step it cost 1.2x a plain decode step at 64-128 requests on an H200.
+``SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND``: ``warm`` (that, the default), ``keep`` (every step, as upstream's
+depth 0) or ``skip`` (never; also upstream's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1``, and then no hidden
+state is captured either).
 
 Batches that need what only the verify path does (grammar, logprobs, returned hidden states, custom logit
 processors, DP attention, a batch larger than the captured graphs) keep upstream's path; at depth 0 that
@@ -51,12 +55,47 @@ def enabled() -> bool:
     return adaptive.enabled() and mode() == "decode"
 
 
+EXTEND_ENV = "SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND"
+# steps before a probe in which the draft extend runs again (warm mode): the probe then drafts from a current
+# last hidden state and the recent tokens' draft KV
+WARM_LEAD_STEPS = 32
+
+
+def extend_mode() -> str:
+    """The draft extend at depth 0: 'warm' (unset; only in the steps before a probe), 'keep' (every step, as
+    upstream's depth 0) or 'skip' (never, as upstream's SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1)."""
+    return env_choice(EXTEND_ENV, {"": "warm", "warm": "warm", "keep": "keep", "skip": "skip"},
+                      "unknown depth-0 draft extend", "use 'warm' (the default: only before a probe), 'keep' "
+                      "(every depth-0 step) or 'skip' (never)")
+
+
 def skip_draft_extend() -> bool:
-    """Upstream's switch: at depth 0 the draft extend is replaced by a stub (the draft's KV then misses the
-    tokens decoded at depth 0; docs/design.md)."""
+    """No draft extend at any depth-0 step: upstream's switch (the draft's KV then misses the tokens decoded at
+    depth 0; docs/design.md) or ours set to 'skip'."""
     from sglang.srt.environ import envs
 
-    return bool(envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND.get())
+    return bool(envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND.get()) or extend_mode() == "skip"
+
+
+def slot_policy(worker, batch_size: int):
+    """The cost policy of the adaptive slot this batch size routes to (None before its first decision)."""
+    controller = getattr(worker, "adaptive_controller", None)
+    try:
+        slot = controller.params._route(batch_size)  # upstream's own routing (AdaptiveSpeculativeParams)
+    except AttributeError:
+        return None
+    return getattr(slot, "_sglang_ext_policy", None)
+
+
+def draft_extend_now(worker, batch_size: int) -> bool:
+    """Whether this depth-0 step runs the draft extend. In 'warm' mode only when the slot's policy is about to
+    draft (the steps before a probe); without a policy yet, yes (the safe side: a current draft state)."""
+    if skip_draft_extend():
+        return False
+    if extend_mode() == "keep":
+        return True
+    policy = slot_policy(worker, batch_size)
+    return policy is None or policy.needs_draft_state(WARM_LEAD_STEPS)
 
 
 def hidden_mode():
@@ -164,7 +203,7 @@ def plain_decode_step(worker, batch, on_publish=None):
     result.extra_keep_alive_refs = [batch.input_ids, batch.out_cache_loc]
     if on_publish is not None:
         on_publish(result.new_seq_lens)
-    if skip_draft_extend():
+    if not draft_extend_now(worker, bs):
         worker._stub_skipped_draft_extend(batch, result)
     else:
         draft = worker.draft_worker
