@@ -13,7 +13,8 @@ EAGLE3 and against the physical bound, side by side in one run (one GPU).
    2 accepted drafts); and a draft that never accepts (random head, no simulation) without and with
    the cost-model protection (`--speculative-adaptive`, `SGLANG_EXT_ADAPTIVE_POLICY=cost`).
 3. Each arm: output tokens/s and TPOT at each concurrency (fixed input and output lengths,
-   chat-formatted, `ignore_eos`), `--repeats` times; the server's KV pool lines.
+   chat-formatted, `ignore_eos`), `--repeats` times, after an untimed warm-up pass and a prefill pass per
+   level (`run_arm`); each request's start, first token and end; the server's KV pool lines.
 4. `report`: ratios (plugin/upstream, spec/no-spec, achieved/bound with c measured from the
    zero-acceptance arm at concurrency 1: TPOT_zero = TPOT_nospec x (1 + k c)), min-max over repeats,
    fp8 vs bf16 draft pool tokens and max running requests; writes benchmarks.md, report.json and a PNG.
@@ -68,8 +69,12 @@ ARMS = {
     "zero-accept-protected-decode0": ("mha", CHAIN + ["--speculative-adaptive"],
                                       {"SGLANG_EXT_ADAPTIVE_POLICY": "cost",
                                        "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND": "1"}, False),
+    # the protection as shipped since session 11, at zero acceptance: depth 0's draft extend only in the steps
+    # before a probe (SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND unset = warm); the arm above never runs it
+    "zero-accept-protected-warm": ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"},
+                                   False),
     # the protection at the synthetic acceptance of the chain arms: it must keep the gain where drafting pays
-    # and stop where it does not (the draft extend stays on: the draft's KV is kept warm at depth 0)
+    # and stop where it does not (depth 0's draft extend as shipped: since session 11 only before a probe)
     "chain-protected-decode0": ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"},
                                 True),
     # the protection where drafting barely pays: 0.5 accepted drafts per step (SGLang's "match-expected" sampling
@@ -89,7 +94,8 @@ ARMS = {
 
 
 # the order `all` runs them in: what the ratios need first (c comes from zero-accept at batch 1)
-PRIORITY = ["nospec", "zero-accept-protected-decode0", "chain-protected-decode0", "low-accept-protected-decode0",
+PRIORITY = ["nospec", "zero-accept-protected-warm", "low-accept-protected-decode0", "chain-protected-decode0",
+            "zero-accept-protected-decode0",
             "plugin-chain-verify-decode",
             "zero-accept-verify-decode", "plugin-chain", "upstream-chain", "plugin-fp8", "plugin-mla-chain",
             "zero-accept-protected-verify-decode", "zero-accept", "plugin-tree-verify-decode",
@@ -477,6 +483,7 @@ def ratio_rows(state: dict) -> list[dict]:
                      "chain-protected/nospec band": band("chain-protected-decode0", "nospec"),
                      "chain-protected/chain": r("chain-protected-decode0", "plugin-chain-verify-decode"),
                      "low-protected/nospec": r("low-accept-protected-decode0", "nospec"),
+                     "zero-protected-warm/nospec": r("zero-accept-protected-warm", "nospec"),
                      "low-protected/nospec band": band("low-accept-protected-decode0", "nospec")})
     return rows
 
@@ -542,18 +549,20 @@ def report(out_md: str) -> dict:
                       f"achieved (TPOT no-spec / TPOT chain) {b['achieved']:.3f} = {b['achieved/bound']:.2f} "
                       f"of the bound (output tokens/s ratio {b['throughput_ratio']:.3f})."]
     protected = [r for r in rows if r["zero-protected-decode0/nospec"] or r["chain-protected/nospec"]
-                 or r["low-protected/nospec"]]
+                 or r["low-protected/nospec"] or r["zero-protected-warm/nospec"]]
     if protected:
         band = lambda b: "" if not b else f" ({b[0]:.3f}-{b[1]:.3f})"  # noqa: E731
         lines += ["", "The protection as shipped (depth 0 a plain decode step), over no speculation (output tokens/s, "
                       "min-max over pairs of repeats):", "",
-                  "| concurrency | zero acceptance, protected | its TPOT ratio | 0.5 accepted drafts/step, protected | "
+                  "| concurrency | zero acceptance, protected, no depth-0 draft extend | its TPOT ratio | zero acceptance, "
+                  "protected (draft extend before probes) | 0.5 accepted drafts/step, protected | "
                   "2 accepted drafts/step, protected | protected chain / unprotected chain (verify as decode) |",
-                  "|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|"]
         for r in protected:
             lines.append(f"| {r['concurrency']} | {fmt(r['zero-protected-decode0/nospec'])}"
                          f"{band(r['zero-protected-decode0/nospec band'])} | "
-                         f"{fmt(r['zero-protected-decode0/nospec TPOT'])} | {fmt(r['low-protected/nospec'])}"
+                         f"{fmt(r['zero-protected-decode0/nospec TPOT'])} | {fmt(r['zero-protected-warm/nospec'])} | "
+                         f"{fmt(r['low-protected/nospec'])}"
                          f"{band(r['low-protected/nospec band'])} | {fmt(r['chain-protected/nospec'])}"
                          f"{band(r['chain-protected/nospec band'])} | {fmt(r['chain-protected/chain'])} |")
     lines += prefill_lines(arms)

@@ -195,3 +195,12 @@ def test_server_post_reads_json_and_plain_text_answers():
         assert srv.post("/start_profile", {"num_steps": 10}) == "Start profiling.\n"
     finally:
         httpd.shutdown()
+
+
+def test_pipeline_refuses_an_unknown_step_to_skip_and_names_the_choices():
+    """A misspelt PIPE_SKIP must stop the pipeline before it builds anything (a lost run costs ~25 GPU minutes)."""
+    env = dict(os.environ, PIPE_SKIP="mla,fp23")
+    p = subprocess.run([sys.executable, "tests/gpu/scale_pipeline.py", "watch", "0"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "unknown step(s) ['fp23']" in p.stderr and "fp32, mla" in p.stderr

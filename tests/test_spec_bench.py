@@ -59,6 +59,9 @@ def test_arms_server_arguments():
     # upstream's one-token verify, so their state files mean what they meant
     args, env = sb.server_args("zero-accept-protected-decode0", 32, 0.8)
     assert "SGLANG_EXT_ADAPTIVE_DEPTH0" not in env and env["SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"] == "1"
+    args, env = sb.server_args("zero-accept-protected-warm", 32, 0.8)  # the shipped default: no extend switch set
+    assert sb.SIM not in env and not {"SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND", "SGLANG_EXT_ADAPTIVE_DEPTH0",
+                                      "SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND"} & set(env)
     args, env = sb.server_args("chain-protected-decode0", 32, 0.8)
     assert env[sb.SIM] == "3.0" and "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND" not in env
     for arm in ("zero-accept-protected", "zero-accept-protected-verify-decode"):
@@ -99,7 +102,7 @@ def test_report_from_a_state(tmp_path, monkeypatch):
     assert out["bounds"]["verify as decode"]["c"] == pytest.approx((0.013 / 0.010 - 1) / 3)
     text = (tmp_path / "benchmarks.md").read_text()
     assert "Batch 1, verify as decode: measured draft/target step-cost ratio c = 0.100" in text
-    assert f"| 1 | {99 / 101:.3f} ({98 / 102:.3f}-{100 / 100:.3f}) | {0.010 / 0.0102:.3f} | — | {207 / 101:.3f}" in text
+    assert f"| 1 | {99 / 101:.3f} ({98 / 102:.3f}-{100 / 100:.3f}) | {0.010 / 0.0102:.3f} | — | — | {207 / 101:.3f}" in text
     assert f"| 32 | {2975 / 3050:.3f} ({2900 / 3100:.3f}-{3050 / 3000:.3f}) |" in text
     # a failed arm is named with its first error line; a profile is summarised
     state["arms"]["plugin-tree"] = {"levels": {}, "error": "OutOfMemoryError() at concurrency 32\nlog tail"}
@@ -221,7 +224,7 @@ def test_low_acceptance_arm_and_the_prefill_table(tmp_path, monkeypatch):
     json.dump(state, open(tmp_path / "state.json", "w"))
     sb.report(str(tmp_path / "benchmarks.md"))
     text = (tmp_path / "benchmarks.md").read_text()
-    assert "| 32 | — | — | 1.125 (1.100-1.150) | — | — |" in text
+    assert "| 32 | — | — | — | 1.125 (1.100-1.150) | — | — |" in text
     assert "| nospec | — | 200 |" in text and "| low-accept-protected-decode0 | 70 | 230 (1.15) |" in text
 
 
