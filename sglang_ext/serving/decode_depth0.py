@@ -63,18 +63,19 @@ WARM_LEAD_STEPS = 32
 
 def extend_mode() -> str:
     """The draft extend at depth 0: 'warm' (unset; only in the steps before a probe), 'keep' (every step, as
-    upstream's depth 0) or 'skip' (never, as upstream's SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1)."""
-    return env_choice(EXTEND_ENV, {"": "warm", "warm": "warm", "keep": "keep", "skip": "skip"},
-                      "unknown depth-0 draft extend", "use 'warm' (the default: only before a probe), 'keep' "
-                      "(every depth-0 step) or 'skip' (never)")
+    upstream's depth 0) or 'skip' (never; also what upstream's SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 means,
+    and then the draft's KV misses the tokens decoded at depth 0; docs/design.md)."""
+    from sglang.srt.environ import envs
+
+    mode_ = env_choice(EXTEND_ENV, {"": "warm", "warm": "warm", "keep": "keep", "skip": "skip"},
+                       "unknown depth-0 draft extend", "use 'warm' (the default: only before a probe), 'keep' "
+                       "(every depth-0 step) or 'skip' (never)")
+    return "skip" if envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND.get() else mode_
 
 
 def skip_draft_extend() -> bool:
-    """No draft extend at any depth-0 step: upstream's switch (the draft's KV then misses the tokens decoded at
-    depth 0; docs/design.md) or ours set to 'skip'."""
-    from sglang.srt.environ import envs
-
-    return bool(envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND.get()) or extend_mode() == "skip"
+    """No draft extend at any depth-0 step."""
+    return extend_mode() == "skip"
 
 
 def slot_policy(worker, batch_size: int):
@@ -90,10 +91,9 @@ def slot_policy(worker, batch_size: int):
 def draft_extend_now(worker, batch_size: int) -> bool:
     """Whether this depth-0 step runs the draft extend. In 'warm' mode only when the slot's policy is about to
     draft (the steps before a probe); without a policy yet, yes (the safe side: a current draft state)."""
-    if skip_draft_extend():
-        return False
-    if extend_mode() == "keep":
-        return True
+    mode_ = extend_mode()
+    if mode_ != "warm":
+        return mode_ == "keep"
     policy = slot_policy(worker, batch_size)
     return policy is None or policy.needs_draft_state(WARM_LEAD_STEPS)
 
