@@ -59,11 +59,48 @@ CONVENTION_ALIASES = {
 }
 ENGINES = ("sglang-ext", "sglang", "vllm", "trtllm")  # what inspect-draft compares
 
+# How upstream SGLang 0.5.17 reads undeclared ids, by target architecture: each model's
+# `set_eagle3_layers_to_capture` (listed from SGLang 0.5.17's ModelRegistry, `sglang/srt/models/*.py`).
+# "deepseek": ids starting with 1 are output ids, any other list input ids (deepseek_v2.py, glm4_moe_lite.py);
+# "llama": every id + 1 (output ids: llama.py, qwen2/3(_moe), glm4_moe, gemma3/4, minimax, ... 40 models);
+# "gpt_oss": verbatim when the largest id equals the layer count, else + 1 (gpt_oss.py).
+# An architecture of the registry with no such method cannot serve EAGLE3 in SGLang 0.5.17 at all
+# ("unsupported"); one outside the registry is "unknown" (read the majority's way, "llama").
 DEEPSEEK_FAMILY = frozenset({
-    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
-    "KimiK25ForConditionalGeneration", "KimiVLForConditionalGeneration",
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
+    "GlmMoeDsaForCausalLM", "MistralLarge3ForCausalLM", "Glm4MoeLiteForCausalLM",
 })
-LLAMA_FAMILY = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
+LLAMA_FAMILY = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "InternLM3ForCausalLM", "Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration", "Ministral3ForCausalLM", "IQuestCoderForCausalLM", "TeleFLMForCausalLM",
+    "ApertusForCausalLM", "BailingMoEForCausalLM", "BailingMoeForCausalLM", "BailingMoeV2ForCausalLM",
+    "SarvamMoEForCausalLM", "ExaoneMoEForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+    "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration",
+    "Glm4MoeForCausalLM", "LongcatFlashForCausalLM", "MiniMaxM2ForCausalLM", "MiniMaxM3SparseForCausalLM",
+    "MellumForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+    "InternS1ProForConditionalGeneration", "InternS2PreviewForConditionalGeneration",
+})
+GPT_OSS_FAMILY = frozenset({"GptOssForCausalLM"})
+# registered by SGLang 0.5.17 but without set_eagle3_layers_to_capture: the EAGLE3 server fails at start
+# (a selection of the causal LMs users ask about; "unknown" covers the rest)
+NO_EAGLE3_CAPTURE = frozenset({
+    "KimiVLForConditionalGeneration", "KimiLinearForCausalLM", "DeepseekForCausalLM", "DeepseekV4ForCausalLM",
+    "DeepseekVL2ForCausalLM", "MixtralForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM",
+    "Qwen2VLForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "MiniCPM3ForCausalLM",
+    "Ernie4_5_ForCausalLM", "Ernie4_5_MoeForCausalLM", "Grok1ForCausalLM", "OlmoeForCausalLM", "Olmo2ForCausalLM",
+    "Step3p5ForCausalLM", "MiMoV2FlashForCausalLM", "HunYuanMoEV1ForCausalLM", "SarvamMLAForCausalLM",
+})
+# our plugin's capture hook is on these targets' path (serving/aux_capture.HOOK_TARGETS: the methods of
+# deepseek_v2.DeepseekV2ForCausalLM and llama.LlamaForCausalLM, and the classes that inherit or delegate to
+# them); elsewhere upstream SGLang's own reading stands, and a declared convention is not applied
+PLUGIN_HOOKED = frozenset({
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
+    "GlmMoeDsaForCausalLM", "MistralLarge3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+    "Phi3ForCausalLM", "InternLM3ForCausalLM", "Llama4ForCausalLM", "Ministral3ForCausalLM",
+    "IQuestCoderForCausalLM", "TeleFLMForCausalLM",
+})
 
 
 def canonical_convention(name: str | None, field: str = f"eagle_config.{CONVENTION_FIELD}") -> str:
@@ -83,20 +120,28 @@ MODEL_TYPE_ARCHITECTURES = {  # configs that name no architecture (GGUF-converte
 }
 
 
-def architecture_of(config: Mapping[str, Any]) -> str:
-    archs = config.get("architectures") or []
+def architecture_of(config: Mapping[str, Any], who: str = "target") -> str:
+    archs = config.get("architectures")
     if archs:
+        if not isinstance(archs, (list, tuple)) or not isinstance(archs[0], str):
+            raise ConfigError(f"{who}.architectures", archs, "not a list of class names",
+                              'write a list such as ["DeepseekV3ForCausalLM"]')
         return archs[0]
     return MODEL_TYPE_ARCHITECTURES.get(config.get("model_type"), "?")
 
 
 def target_family(architecture: str) -> str:
-    """'deepseek', 'llama' or 'other' -- decides how upstream SGLang reads undeclared ids."""
+    """How upstream SGLang 0.5.17 reads undeclared ids for this target: 'deepseek', 'llama' (+1),
+    'gpt_oss', 'unsupported' (no EAGLE3 capture in SGLang 0.5.17) or 'unknown' (read as 'llama')."""
     if architecture in DEEPSEEK_FAMILY:
         return "deepseek"
     if architecture in LLAMA_FAMILY:
         return "llama"
-    return "other"
+    if architecture in GPT_OSS_FAMILY:
+        return "gpt_oss"
+    if architecture in NO_EAGLE3_CAPTURE:
+        return "unsupported"
+    return "unknown"
 
 
 def default_output_ids(num_layers: int) -> list[int]:
@@ -110,9 +155,10 @@ def default_output_ids(num_layers: int) -> list[int]:
     return ids
 
 
-def to_output_ids(ids: Sequence[int], convention: str, family: str = "deepseek") -> list[int]:
+def to_output_ids(ids: Sequence[int], convention: str, family: str = "deepseek",
+                  num_layers: int | None = None) -> list[int]:
     """Raw ids of a draft config, read in `convention`, as physical output ids (may be out of range:
-    `validate_output_ids` says so)."""
+    `validate_output_ids` says so). `num_layers` matters only to the gpt_oss reading."""
     ids = [int(i) for i in ids]
     conv = canonical_convention(convention)
     if conv == "output":
@@ -120,8 +166,10 @@ def to_output_ids(ids: Sequence[int], convention: str, family: str = "deepseek")
     if conv == "input":
         return [i - 1 for i in ids]
     # upstream SGLang 0.5.17
-    if family == "llama":
-        return ids  # llama.py adds 1 to reach the next layer's input: output ids
+    if family == "gpt_oss":
+        return [i - 1 for i in ids] if ids and max(ids) == num_layers else ids
+    if family != "deepseek":
+        return ids  # llama.py (and most others) add 1 to reach the next layer's input: output ids
     if ids and ids[0] == 1:
         return ids  # deepseek_v2.py adds 1 only in this case
     return [i - 1 for i in ids]  # otherwise verbatim as layer inputs
@@ -135,7 +183,7 @@ def from_output_ids(output_ids: Sequence[int], convention: str, family: str = "d
         return out
     if conv == "input":
         return [j + 1 for j in out]
-    if family == "llama" or (out and out[0] == 1):
+    if family != "deepseek" or (out and out[0] == 1):
         return out
     if out and out[0] == 0:  # verbatim input ids would start with 1, which SGLang shifts again
         raise ConfigError(f"eagle_config.{LAYER_IDS_FIELD}", out,
@@ -208,9 +256,22 @@ def env_choice(name: str, choices: Mapping[str, Any], what: str, fix: str) -> An
 # Draft and target configs
 # ---------------------------------------------------------------------------------------------
 
-MHA_ARCHITECTURES = frozenset({"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"})
+MHA_ARCHITECTURES = frozenset({"LlamaForCausalLMEagle3"})  # the one MHA Eagle3 class SGLang 0.5.17 registers
 MLA_ARCHITECTURES = frozenset({"Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM"})
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# names a draft may carry that are not an Eagle3 head SGLang 0.5.17 serves, and what to do instead
+OTHER_DRAFT_ARCHITECTURES = {
+    "Eagle3LlamaForCausalLM": "vLLM's name for the same Llama-style head, which SGLang 0.5.17 does not register: "
+                              "set architectures to [\"LlamaForCausalLMEagle3\"] (vLLM loads that name too)",
+    "Eagle3Speculator": "a vLLM speculators-format config (speculators_config + transformer_layer_config): write "
+                        "an SGLang config with the transformer_layer_config fields at the top level, "
+                        "architectures [\"LlamaForCausalLMEagle3\"], draft_vocab_size, target_hidden_size and "
+                        "eagle_config.eagle_aux_hidden_state_layer_ids",
+    "LlamaForCausalLMEagle": "an EAGLE-1/2 head: serve it with --speculative-algorithm EAGLE (this plugin's checks "
+                             "are for EAGLE3)",
+    "Qwen2ForCausalLMEagle": "an EAGLE-1/2 head: serve it with --speculative-algorithm EAGLE",
+    "MistralForCausalLMEagle": "an EAGLE-1/2 head: serve it with --speculative-algorithm EAGLE",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +282,7 @@ class TargetSpec:
     vocab_size: int
     text_config: Mapping[str, Any]  # the decoder's config (nested for VL wrappers)
     nested_text_config: bool
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the whole config (quantization)
 
     @property
     def family(self) -> str:
@@ -240,31 +302,57 @@ class DraftSpec:
     vocab_size: int
     draft_vocab_size: int | None
     num_hidden_layers: int
-    aux_layer_ids: tuple[int, ...] | None  # raw, as written
+    aux_layer_ids: tuple[int, ...] | None  # raw, as written (eagle_config's, else the top-level field)
     aux_layer_convention: str | None  # as declared (canonical), None if undeclared
     config: Mapping[str, Any]
+    # vLLM's field: the top-level eagle_aux_hidden_state_layer_ids (else eagle_config.layer_ids), input ids
+    vllm_layer_ids: tuple[int, ...] | None = None
+    aux_ids_source: str = "eagle_config"  # where aux_layer_ids came from: "eagle_config" | "top-level"
 
 
 def load_json(path: str) -> dict:
+    """A config.json (or a directory holding one) as a JSON object; anything else is a ConfigError."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not an error
+            cfg = json.load(f)
     except FileNotFoundError:
         raise ConfigError("path", path, "no config.json there",
                           "pass a model directory containing config.json, or the config.json itself") from None
+    except IsADirectoryError:
+        raise ConfigError("path", path, "is a directory, not a config file", "pass the model directory") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError("path", path, f"config.json is not UTF-8 ({e.reason} at byte {e.start})",
+                          "save it as UTF-8 JSON") from None
     except json.JSONDecodeError as e:
         raise ConfigError("path", path, f"config.json is not valid JSON ({e})", "fix the file") from None
+    except OSError as e:
+        raise ConfigError("path", path, f"cannot read it ({e.strerror})", "check the path and its permissions") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError("path", path, f"config.json holds a JSON {type(cfg).__name__}, not an object",
+                          "write the config as a JSON object {...}")
+    return cfg
 
 
-def _require(cfg: Mapping, key: str, prefix: str, kind=int):
+def is_int(value: Any) -> bool:
+    """A JSON integer (not a bool, not a float, not a numeric string: transformers refuses those)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require(cfg: Mapping, key: str, prefix: str, minimum: int = 1) -> int:
+    """A required integer field, at least `minimum`."""
     if key not in cfg or cfg[key] is None:
         raise ConfigError(prefix + key, None, "missing", f"set {key} in config.json")
-    try:
-        return kind(cfg[key])
-    except (TypeError, ValueError):
-        raise ConfigError(prefix + key, cfg[key], f"not a {kind.__name__}", f"set {key} to a number") from None
+    return check_int(cfg[key], prefix + key, minimum)
+
+
+def check_int(value: Any, field: str, minimum: int = 1) -> int:
+    if not is_int(value):
+        raise ConfigError(field, value, "not an integer", f"write it as a JSON integer (e.g. {max(minimum, 1)})")
+    if value < minimum:
+        raise ConfigError(field, value, f"must be at least {minimum}", f"set a value >= {minimum}")
+    return value
 
 
 def parse_target(cfg: Mapping[str, Any]) -> TargetSpec:
@@ -276,38 +364,57 @@ def parse_target(cfg: Mapping[str, Any]) -> TargetSpec:
                       num_hidden_layers=_require(text, "num_hidden_layers", prefix),
                       hidden_size=_require(text, "hidden_size", prefix),
                       vocab_size=_require(text, "vocab_size", prefix),
-                      text_config=text, nested_text_config=nested)
+                      text_config=text, nested_text_config=nested, config=cfg)
+
+
+def _layer_ids(value: Any, field: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(is_int(i) for i in value):
+        raise ConfigError(field, value, "not a list of integers", "write a list such as [1, 29, 57]")
+    return tuple(value)
 
 
 def parse_draft(cfg: Mapping[str, Any]) -> DraftSpec:
-    arch = (cfg.get("architectures") or [None])[0]
+    archs = cfg.get("architectures")
+    if archs is not None and (not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs)):
+        raise ConfigError("draft.architectures", archs, "not a list of class names",
+                          'write a list such as ["LlamaForCausalLMEagle3"]')
+    arch = (archs or [None])[0]
     if arch in MHA_ARCHITECTURES:
         fmt = "mha"
     elif arch in MLA_ARCHITECTURES:
         fmt = "mla"
     else:
-        raise ConfigError("draft.architectures", cfg.get("architectures"), "not an Eagle3 head architecture",
-                          f"use {sorted(MHA_ARCHITECTURES)[0]!r} (MHA, Llama-style) or "
-                          f"{sorted(MLA_ARCHITECTURES)[0]!r} (MLA, DeepSeek-style)")
+        known = OTHER_DRAFT_ARCHITECTURES.get(arch)
+        if known is None and "speculators_config" in cfg:
+            known = OTHER_DRAFT_ARCHITECTURES["Eagle3Speculator"]
+        generic = ('set architectures to ["LlamaForCausalLMEagle3"] (an MHA, Llama-style head) or '
+                   '["Eagle3DeepseekV2ForCausalLM"] (an MLA, DeepSeek-style head)')
+        raise ConfigError("draft.architectures", archs,
+                          "missing" if arch is None else "not an Eagle3 head architecture SGLang 0.5.17 serves",
+                          known or generic)
     eagle = cfg.get("eagle_config") or {}
     if not isinstance(eagle, Mapping):
         raise ConfigError("draft.eagle_config", eagle, "not an object", "write eagle_config as a JSON object")
-    ids = eagle.get(LAYER_IDS_FIELD, cfg.get(LAYER_IDS_FIELD))
-    if ids is not None:
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool)
-                                                         for i in ids):
-            raise ConfigError(f"draft.eagle_config.{LAYER_IDS_FIELD}", ids, "not a list of integers",
-                              "write a list such as [1, 29, 57]")
-        ids = tuple(ids)
+    ids = _layer_ids(eagle.get(LAYER_IDS_FIELD), f"draft.eagle_config.{LAYER_IDS_FIELD}")
+    top = _layer_ids(cfg.get(LAYER_IDS_FIELD), f"draft.{LAYER_IDS_FIELD}")
+    vllm_ids = top if top is not None else _layer_ids(eagle.get("layer_ids"), "draft.eagle_config.layer_ids")
     declared = eagle.get(CONVENTION_FIELD)
     conv = canonical_convention(declared, f"draft.eagle_config.{CONVENTION_FIELD}") if declared is not None else None
+    source = "eagle_config"
+    if ids is None and top is not None:  # only vLLM's field: its ids are vLLM's (input ids) unless declared
+        ids, source = top, "top-level"
+        conv = conv or "input"
+    layers = cfg.get("num_hidden_layers", 1)
     return DraftSpec(architecture=arch, head_format=fmt,
                      hidden_size=_require(cfg, "hidden_size", "draft."),
                      target_hidden_size=cfg.get("target_hidden_size"),
                      vocab_size=_require(cfg, "vocab_size", "draft."),
                      draft_vocab_size=cfg.get("draft_vocab_size"),
-                     num_hidden_layers=int(cfg.get("num_hidden_layers", 1)),
-                     aux_layer_ids=ids, aux_layer_convention=conv, config=cfg)
+                     num_hidden_layers=check_int(layers, "draft.num_hidden_layers", 1),
+                     aux_layer_ids=ids, aux_layer_convention=conv, config=cfg, vllm_layer_ids=vllm_ids,
+                     aux_ids_source=source)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,19 +441,25 @@ class AuxLayerPlan:
 
 
 def engine_output_ids(engine: str, target: TargetSpec, draft: DraftSpec | None) -> list[int]:
-    """The physical layers each engine would capture for this pair (no override)."""
-    ids = draft.aux_layer_ids if draft else None
+    """The physical layers each engine would capture for this pair (no override). Upstream SGLang reads
+    eagle_config's ids only; vLLM the top-level field (else eagle_config.layer_ids), as input ids."""
     n = target.num_hidden_layers
-    if ids is None:
+    if draft is None:
         return default_output_ids(n)
     if engine == "sglang-ext":
-        return to_output_ids(ids, draft.aux_layer_convention or "sglang", target.family)
+        if draft.aux_layer_ids is None:
+            return default_output_ids(n)
+        if target.architecture not in PLUGIN_HOOKED:
+            return engine_output_ids("sglang", target, draft)  # our hook is not on this target's path
+        return to_output_ids(draft.aux_layer_ids, draft.aux_layer_convention or "sglang", target.family, n)
     if engine == "sglang":
-        return to_output_ids(ids, "sglang", target.family)
+        if draft.aux_layer_ids is None or draft.aux_ids_source != "eagle_config":
+            return default_output_ids(n)
+        return to_output_ids(draft.aux_layer_ids, "sglang", target.family, n)
     if engine == "vllm":
-        return to_output_ids(ids, "input")
+        return default_output_ids(n) if draft.vllm_layer_ids is None else to_output_ids(draft.vllm_layer_ids, "input")
     if engine == "trtllm":
-        return to_output_ids(ids, "output")
+        return default_output_ids(n) if draft.aux_layer_ids is None else to_output_ids(draft.aux_layer_ids, "output")
     raise ValueError(f"unknown engine {engine!r}; one of {ENGINES}")
 
 
@@ -389,7 +502,7 @@ def plan_for_ids(target: TargetSpec, ids: Sequence[int] | None, convention: str 
         plan, errors = AuxLayerPlan(tuple(out), "default", "output", None), []
     else:
         conv = convention or "sglang"
-        out = to_output_ids(ids, conv, target.family)
+        out = to_output_ids(ids, conv, target.family, n)
         plan = AuxLayerPlan(tuple(out), "draft config", conv, tuple(ids))
         errors = validate_output_ids(out, n, field, list(ids))
     if fc_in_features is not None and not errors:

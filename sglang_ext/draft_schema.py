@@ -19,7 +19,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from sglang_ext.conventions import MLA_FIELDS, ConfigError, DraftSpec, TargetSpec
+from sglang_ext.conventions import MLA_FIELDS, ConfigError, DraftSpec, TargetSpec, is_int
 
 DRAFT_KV_DTYPE_ENV = "SGLANG_EXT_DRAFT_KV_CACHE_DTYPE"
 
@@ -39,6 +39,21 @@ def canonical_kv_dtype(name: str | None, field: str = DRAFT_KV_DTYPE_ENV) -> str
         raise ConfigError(field, name, "unknown KV cache dtype",
                           f"use one of auto, {', '.join(k for k in KV_DTYPES if k != 'fp32')}")
     return key
+
+
+# SGLang 0.5.17's --kv-cache-dtype choices (server_args.py) -> bytes per element for the pool arithmetic
+# (None: a packed 4-bit recipe with scales, not sized here)
+TARGET_KV_DTYPES = {"auto": 2, "bf16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "mxfp8": 1,
+                    "nvfp4": None, "fp4_mx_block16": None, "fp4_e2m1": None}
+
+
+def target_kv_dtype(name: str | None, field: str = "--kv-cache-dtype") -> str:
+    """The target's KV cache dtype as SGLang's --kv-cache-dtype takes it (auto: the bf16 model dtype)."""
+    key = "auto" if name is None else str(name).strip().lower()
+    if key not in TARGET_KV_DTYPES:
+        raise ConfigError(field, name, "not one of SGLang 0.5.17's --kv-cache-dtype choices",
+                          f"use one of {', '.join(TARGET_KV_DTYPES)}")
+    return {"auto": "bf16", "bfloat16": "bf16"}.get(key, key)
 
 
 def draft_kv_dtype_option() -> str | None:
@@ -86,8 +101,9 @@ def triton_mla_errors(who: str, config: Mapping[str, Any]) -> list[ConfigError]:
     (the same latent) must have one width, else every decode step (CUDA-graph capture first) fails
     with a Triton compile error `incompatible dimensions ... 256 and 512`. Seen on an H200 with
     kv_lora_rank 256 + qk_rope_head_dim 64."""
-    if config.get("kv_lora_rank") in (None, 0) or config.get("qk_rope_head_dim") is None:
-        return []
+    if not (is_int(config.get("kv_lora_rank")) and is_int(config.get("qk_rope_head_dim"))) or \
+            config["kv_lora_rank"] <= 0 or config["qk_rope_head_dim"] < 0:
+        return []  # not an MLA latent, or a field error reported elsewhere
     latent, rope = int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"])
     model, dv = triton_mla_blocks(latent, rope)
     if model == dv:
@@ -223,9 +239,77 @@ def weight_errors(draft: DraftSpec, shapes: Mapping[str, Mapping[str, Any]]) -> 
 # ---------------------------------------------------------------------------------------------
 
 
+# what transformers turns into a torch dtype (getattr(torch, name)) and SGLang serves
+CONFIG_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+# rope_scaling types SGLang 0.5.17's get_rope builds (layers/rotary_embedding/factory.py)
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "deepseek_yarn", "llama3", "longrope", "proportional")
+
+
+def field_errors(draft: DraftSpec) -> list[ConfigError]:
+    """Fields SGLang's loaders read, checked for type and range before anything computes with them: a
+    string, float, null or zero there is a crash (or a mis-sized layer) after the target has loaded."""
+    cfg, errors = draft.config, []
+
+    def integer(key, required, minimum=1, allow_null=False):
+        if key not in cfg:
+            if required:
+                errors.append(ConfigError(f"draft.{key}", None, "missing", f"set {key} in config.json"))
+            return
+        v = cfg[key]
+        if v is None:
+            if not allow_null:
+                errors.append(ConfigError(f"draft.{key}", None, "null (SGLang reads it as a number)",
+                                          f"set {key} to an integer, or remove the key"))
+        elif not is_int(v):
+            errors.append(ConfigError(f"draft.{key}", v, "not an integer", f"write {key} as a JSON integer"))
+        elif v < minimum:
+            errors.append(ConfigError(f"draft.{key}", v, f"must be at least {minimum}", f"set {key} >= {minimum}"))
+
+    integer("intermediate_size", True)
+    integer("num_attention_heads", True)
+    integer("num_key_value_heads", False, allow_null=True)
+    integer("head_dim", False, allow_null=True)
+    integer("draft_vocab_size", False, allow_null=True)
+    integer("target_hidden_size", False)  # llama_eagle3.py: hasattr -> null would be None * num_aux
+    integer("max_position_embeddings", False, allow_null=True)
+    if draft.head_format == "mla":
+        for key in MLA_FIELDS:
+            integer(key, False, allow_null=True)
+        integer("q_lora_rank", False, allow_null=True)
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if draft.head_format == "mha" and is_int(heads) and is_int(kv) and heads > 0 and kv > 0 and heads % kv:
+        errors.append(ConfigError("draft.num_key_value_heads", kv, f"does not divide num_attention_heads {heads}",
+                                  "use a divisor of num_attention_heads (grouped-query attention)"))
+    for key in ("torch_dtype", "dtype"):
+        v = cfg.get(key)
+        if v is not None and (not isinstance(v, str) or v.replace("torch.", "") not in CONFIG_DTYPES):
+            errors.append(ConfigError(f"draft.{key}", v, "not a dtype transformers and SGLang load",
+                                      "use bfloat16 (the exported heads' dtype), float16 or float32"))
+    act = cfg.get("hidden_act")
+    if act is not None and act != "silu":
+        errors.append(ConfigError("draft.hidden_act", act, "SGLang 0.5.17's Eagle3 MLP supports only silu",
+                                  'set hidden_act to "silu" (and train the head with it)'))
+    rope = cfg.get("rope_scaling")
+    if rope is not None:
+        kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+        if kind not in ROPE_TYPES:
+            errors.append(ConfigError("draft.rope_scaling", rope, "not a RoPE scaling SGLang 0.5.17 builds",
+                                      f"use null or an object whose rope_type is one of {', '.join(ROPE_TYPES)}"))
+    dv = cfg.get("draft_vocab_size")
+    if cfg.get("tie_word_embeddings") is True and is_int(dv) and dv < draft.vocab_size:
+        errors.append(ConfigError("draft.tie_word_embeddings", True,
+                                  f"a tied head uses the target's embedding as its lm_head (all {draft.vocab_size} "
+                                  f"rows), but draft_vocab_size {dv} maps draft ids through d2t: SGLang would score "
+                                  "the first rows of the embedding and ignore the shipped lm_head.weight",
+                                  "set tie_word_embeddings to false (the head's own lm_head is then loaded)"))
+    return errors
+
+
 def config_errors(target: TargetSpec, draft: DraftSpec) -> list[ConfigError]:
     cfg = draft.config
-    errors = []
+    errors = field_errors(draft)
+    if errors:  # the checks below compute with these fields
+        return errors
     mla_fields = [f for f in ("q_lora_rank",) + MLA_FIELDS if cfg.get(f) is not None]
     if draft.head_format == "mha" and [f for f in mla_fields if f != "q_lora_rank"]:
         errors.append(ConfigError(f"draft.{mla_fields[0]}", cfg.get(mla_fields[0]),
@@ -282,13 +366,41 @@ def pair_errors(target: TargetSpec, draft: DraftSpec, shapes: Mapping[str, Mappi
     return errors
 
 
+def tp_errors(target: TargetSpec, draft: DraftSpec, tp_size: int) -> list[ConfigError]:
+    """Head counts a tensor-parallel size must split (SGLang asserts them in each attention layer's
+    constructor): attention heads divisible by TP; KV heads divisible by TP, or TP by them (replicated)."""
+    errors = []
+
+    def check(who, heads, kv):
+        if not is_int(heads) or heads <= 0:
+            return
+        if heads % tp_size:
+            errors.append(ConfigError("--tp-size", tp_size, f"does not divide the {who}'s {heads} attention heads",
+                                      "use a TP size that divides the head count (e.g. 1, 2, 4, 8)"))
+        elif is_int(kv) and kv > 0 and (kv % tp_size if kv >= tp_size else tp_size % kv):
+            errors.append(ConfigError("--tp-size", tp_size, f"and the {who}'s {kv} KV heads: neither divides the "
+                                      "other", "use a TP size that divides the KV head count, or a multiple of it"))
+
+    t = target.text_config
+    check("target", t.get("num_attention_heads"), None if target.is_mla else t.get("num_key_value_heads"))
+    c = draft.config
+    check("draft", c.get("num_attention_heads"), c.get("num_key_value_heads") if draft.head_format == "mha" else None)
+    return errors
+
+
 # ---------------------------------------------------------------------------------------------
 # KV pool arithmetic (SGLang 0.5.17: DefaultPoolConfigurator._compute_cell_size)
 # ---------------------------------------------------------------------------------------------
 
 
 def dtype_bytes(name: str) -> int:
-    return KV_DTYPES[name][0]
+    """Bytes per cached element: a draft dtype (KV_DTYPES) or a sized target dtype (TARGET_KV_DTYPES)."""
+    if name in KV_DTYPES:
+        return KV_DTYPES[name][0]
+    size = TARGET_KV_DTYPES.get(name)
+    if size is None:
+        raise ValueError(f"KV cache dtype {name!r} is not sized by this tool")
+    return size
 
 
 def target_kv_bytes_per_token(target: TargetSpec, dtype: str = "bf16", tp_size: int = 1) -> int:
@@ -354,9 +466,32 @@ class PoolSplit:
                 f"{self.draft_bytes / gib:.3f} GiB (budget {self.budget_bytes / gib:.3f} GiB)")
 
 
-def estimate_weight_bytes(text_config: Mapping[str, Any], dtype_size: int = 2, tp_size: int = 1) -> int:
-    """A rough per-rank parameter-byte estimate from a decoder config (DeepSeek/Kimi MoE or Llama),
-    for inspect-draft's split; the server measures the real figure."""
+def quantized_bytes_per_weight(config: Mapping[str, Any]) -> tuple[float, bool]:
+    """(bytes per quantized linear weight, whether only the routed experts are quantized) from a target's
+    `quantization_config`: DeepSeek-V3/R1's block fp8 (every decoder linear layer), Kimi-K2.x's
+    compressed-tensors INT4 (routed experts; group scales included), other n-bit schemes (every linear
+    layer). (2.0, False) without one."""
+    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not isinstance(q, Mapping):
+        return 2.0, False
+    method = str(q.get("quant_method", "")).lower()
+    if method == "fp8" or "fp8" in str(q.get("fmt", "")).lower():
+        return 1.0, False
+    bits, group = q.get("bits") or q.get("num_bits") or q.get("w_bit"), q.get("group_size") or q.get("q_group_size")
+    for g in (q.get("config_groups") or {}).values():  # compressed-tensors
+        w = (g or {}).get("weights") or {}
+        bits, group = w.get("num_bits", bits), w.get("group_size", group)
+    if is_int(bits) and 0 < bits < 16:
+        scale = 2.0 / group if is_int(group) and group > 0 else 0.0  # one bf16 scale per group
+        return bits / 8 + scale, method == "compressed-tensors"
+    return 2.0, False
+
+
+def estimate_weight_bytes(text_config: Mapping[str, Any], dtype_size: int = 2, tp_size: int = 1,
+                          config: Mapping[str, Any] | None = None) -> int:
+    """A per-rank parameter-byte estimate from a decoder config (DeepSeek/Kimi MoE or Llama), for
+    inspect-draft's split when the target's safetensors are not at hand; `config` (the whole config)
+    supplies the quantization. The server measures the real figure."""
     c = text_config
     h, v, layers = int(c["hidden_size"]), int(c["vocab_size"]), int(c["num_hidden_layers"])
     heads = int(c["num_attention_heads"])
@@ -376,9 +511,17 @@ def estimate_weight_bytes(text_config: Mapping[str, Any], dtype_size: int = 2, t
     first_dense = int(c.get("first_k_dense_replace") or 0)
     if n_routed:
         moe_inter = int(c.get("moe_intermediate_size") or inter)
-        moe = 3 * h * moe_inter * (n_routed + int(c.get("n_shared_experts") or 0)) + h * n_routed
-        mlp = first_dense * dense + (layers - first_dense) * moe
+        routed = (layers - first_dense) * 3 * h * moe_inter * n_routed
+        other_mlp = first_dense * dense + (layers - first_dense) * (
+            3 * h * moe_inter * int(c.get("n_shared_experts") or 0) + h * n_routed)
     else:
-        mlp = layers * dense
+        routed, other_mlp = 0, layers * dense
     embed = v * h * (1 if c.get("tie_word_embeddings") else 2)
-    return (layers * attn + mlp + embed) * dtype_size // tp_size
+    qbytes, experts_only = quantized_bytes_per_weight(config or c)
+    if qbytes == 2.0:
+        qbytes = dtype_size
+    if experts_only:
+        total = routed * qbytes + (layers * attn + other_mlp + embed) * dtype_size
+    else:
+        total = (routed + layers * attn + other_mlp) * qbytes + embed * dtype_size
+    return int(total) // tp_size

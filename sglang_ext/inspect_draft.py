@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
 from sglang_ext import checkpoint, draft_schema
 from sglang_ext.conventions import (
+    CONVENTION_FIELD,
     ENGINES,
     OVERRIDE_ENV,
+    PLUGIN_HOOKED,
     ConfigError,
     aux_layer_errors,
     engine_output_ids,
     load_json,
     parse_draft,
     parse_target,
+    plan_for_ids,
 )
 
 ENGINE_LABELS = {"sglang-ext": "sglang_ext (ours)", "sglang": "upstream SGLang 0.5.17",
@@ -32,7 +36,9 @@ ENGINE_LABELS = {"sglang-ext": "sglang_ext (ours)", "sglang": "upstream SGLang 0
 def inspect(draft_path: str, target_path: str, override: str | None = None, pools: dict | None = None) -> dict:
     """Everything inspect-draft reports, as a JSON-able dict; `errors` empty means accepted.
     `pools`: {gpu_memory_gib, mem_fraction_static, tp_size, kv_cache_dtype, draft_kv_cache_dtype}."""
-    report: dict = {"draft": draft_path, "target": target_path, "errors": [], "notes": []}
+    report: dict = {"draft": draft_path, "target": target_path, "errors": [], "notes": [], "weights_checked": False}
+    pools = dict(pools or {})
+    backend = pools.pop("attention_backend", None)
 
     def fail(e: ConfigError):
         report["errors"].append({"field": e.field, "value": e.value, "problem": e.problem, "fix": e.fix,
@@ -52,39 +58,100 @@ def inspect(draft_path: str, target_path: str, override: str | None = None, pool
     except ConfigError as e:
         fail(e)
         return report
-    shapes = checkpoint.weight_shapes(draft_path) if os.path.isdir(draft_path) else {}
-    fc_in = checkpoint.fc_in_features(shapes)
-    if not shapes:
+    draft_dir = draft_path if os.path.isdir(draft_path) else os.path.dirname(os.path.abspath(draft_path))
+    try:
+        shapes = checkpoint.weight_shapes(draft_dir)
+        fc_in = checkpoint.fc_in_features(shapes)
+    except ConfigError as e:
+        fail(e)
+        shapes, fc_in = {}, None
+    pickled = checkpoint.pickle_weight_files(draft_dir)
+    if shapes:
+        report["weights_checked"] = True
+        if fc_in is None:
+            fail(ConfigError("fc.weight", None, "missing from the checkpoint",
+                             "an Eagle3 head needs fc.weight (aux states -> hidden)"))
+    elif pickled:
+        report["notes"].append(f"weights not checked: only pickle-format files ({', '.join(pickled[:3])}); "
+                               "inspect-draft never unpickles. Convert them to safetensors to have them checked")
+    elif not report["errors"]:
         report["notes"].append("no safetensors next to the draft config: weight checks skipped")
-    elif fc_in is None:
-        report["errors"].append({"field": "fc.weight", "value": None, "problem": "missing from the checkpoint",
-                                 "fix": "an Eagle3 head needs fc.weight (aux states -> hidden)",
-                                 "message": "fc.weight=None: missing from the checkpoint"})
     report["draft_info"] = {"architecture": draft.architecture, "head_format": draft.head_format,
                             "hidden_size": draft.hidden_size, "draft_vocab_size": draft.draft_vocab_size,
                             "aux_layer_ids": list(draft.aux_layer_ids) if draft.aux_layer_ids else None,
+                            "aux_ids_source": draft.aux_ids_source,
+                            "vllm_layer_ids": list(draft.vllm_layer_ids) if draft.vllm_layer_ids else None,
                             "declared_convention": draft.aux_layer_convention, "fc_in_features": fc_in}
-    plan, errors = aux_layer_errors(target, draft, override, fc_in)
+    family = target.family
+    if family == "unsupported":
+        fail(ConfigError("target.architectures", target.architecture,
+                         "SGLang 0.5.17 has no EAGLE3 aux-state capture for this architecture (the model has no "
+                         "set_eagle3_layers_to_capture), so an EAGLE3 server fails at start",
+                         "serve the head on a target SGLang captures for (DeepSeek-V2/V3, Kimi-K2.5, Llama, Qwen, "
+                         "...) or use another --speculative-algorithm"))
+    elif family == "unknown":
+        report["notes"].append(f"{target.architecture} is not among SGLang 0.5.17's EAGLE3 targets this tool knows; "
+                               "the layer rows assume it adds 1 to each id, as most SGLang models do")
+    hooked = target.architecture in PLUGIN_HOOKED
+    if not hooked and family != "unsupported":
+        report["notes"].append(f"the plugin's aux-layer hook is not on {target.architecture}'s path: upstream "
+                               f"SGLang's reading applies ({OVERRIDE_ENV} and eagle_config.{CONVENTION_FIELD} "
+                               "are not applied)")
+    if hooked:
+        plan, errors = aux_layer_errors(target, draft, override, fc_in)
+    else:  # what upstream captures: eagle_config's ids its way, else its default
+        ids = draft.aux_layer_ids if draft.aux_ids_source == "eagle_config" else None
+        plan, errors = plan_for_ids(target, ids, None, None, fc_in)
     for e in errors:
         fail(e)
-    for e in draft_schema.pair_errors(target, draft, shapes):
+    schema_errors = draft_schema.pair_errors(target, draft, shapes)
+    for e in schema_errors:
         fail(e)
-    backend = (pools or {}).get("attention_backend")
+    tp = pools.get("tp_size", 1)
+    if not draft_schema.field_errors(draft):
+        for e in draft_schema.tp_errors(target, draft, tp):
+            fail(e)
     for e in draft_schema.triton_pair_errors(target, draft):
         if backend == "triton":
             fail(e)
         else:
             report["notes"].append(f"with --attention-backend triton: {e}")
+    if draft.head_format == "mla" and draft.config.get("q_lora_rank") is None and not schema_errors:
+        report["notes"].append("an MLA head without q_lora_rank serves only with this plugin: upstream SGLang 0.5.17's "
+                               "Eagle3DeepseekV2ForCausalLM and vLLM's deepseek_eagle3 require q_lora_rank")
     try:
-        report["kv_pools"] = kv_pool_report(target, draft, shapes, **{k: v for k, v in (pools or {}).items()
-                                                                       if k != "attention_backend"})
-        for e in draft_schema.kv_dtype_errors(draft, report["kv_pools"]["draft_kv_cache_dtype"],
-                                              report["kv_pools"]["kv_cache_dtype"]):
-            fail(e)
+        kv = draft_schema.target_kv_dtype(pools.get("kv_cache_dtype"))
+        dkv = draft_schema.canonical_kv_dtype(pools.get("draft_kv_cache_dtype"), "--draft-kv-cache-dtype")
+        if draft_schema.TARGET_KV_DTYPES[kv] is not None:
+            for e in draft_schema.kv_dtype_errors(draft, dkv, kv):
+                fail(e)
     except ConfigError as e:
         fail(e)
-    except (KeyError, TypeError, ValueError) as e:  # a config too sparse for the arithmetic
-        report["notes"].append(f"KV pool report skipped: config field {e} missing or not a number")
+        kv = None
+    if schema_errors:
+        report["notes"].append("KV pool report skipped: fix the errors above first")
+    elif kv is not None and draft_schema.TARGET_KV_DTYPES[kv] is None:
+        report["notes"].append(f"KV pool report skipped: a {kv} KV cache is a packed 4-bit recipe this tool does not size")
+    elif kv is not None:
+        target_dir = target_path if os.path.isdir(target_path) else os.path.dirname(os.path.abspath(target_path))
+        try:
+            on_disk = checkpoint.checkpoint_bytes(target_dir)
+        except ConfigError as e:
+            report["notes"].append(f"target weights not sized from its checkpoint ({e}); estimated from the config")
+            on_disk = None
+        try:
+            report["kv_pools"] = kv_pool_report(target, draft, shapes, target_checkpoint_bytes=on_disk, **pools)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # a target config too sparse for it
+            report["notes"].append(f"KV pool report skipped: a target config field the arithmetic needs is missing, "
+                                   f"zero or not a number ({type(e).__name__}: {e})")
+        k = report.get("kv_pools")
+        if k and k["split"]["tokens"] == 0:
+            need = k.get("min_tp_size")
+            report["notes"].append(
+                f"no KV budget left: the target's weights (~{k['target_weights_gib_estimate']:.1f} GiB per rank) fill "
+                f"{k['gpu_memory_gib']:g} GiB x --mem-fraction-static {k['mem_fraction_static']:g} at TP {k['tp_size']}"
+                + (f"; the server needs --tp-size {need} or more on this GPU" if need else
+                   "; no TP size up to 64 fits on this GPU"))
     engines = {}
     for engine in ENGINES:
         try:
@@ -103,35 +170,40 @@ def inspect(draft_path: str, target_path: str, override: str | None = None, pool
 
 
 def kv_pool_report(target, draft, shapes, gpu_memory_gib: float = 141.0, mem_fraction_static: float = 0.85,
-                   tp_size: int = 1, kv_cache_dtype: str = "bf16", draft_kv_cache_dtype: str | None = None) -> dict:
-    """Bytes per token of each pool (per TP rank) and the split of the KV budget, ours vs upstream's."""
-    kv = draft_schema.canonical_kv_dtype(kv_cache_dtype, "--kv-cache-dtype") or "bf16"
+                   tp_size: int = 1, kv_cache_dtype: str | None = "bf16", draft_kv_cache_dtype: str | None = None,
+                   target_checkpoint_bytes: int | None = None) -> dict:
+    """Bytes per token of each pool (per TP rank) and the split of the KV budget, ours vs upstream's. The
+    target's weights per rank: its checkpoint's bytes / TP when given, else estimated from its config
+    (quantization included)."""
+    kv = draft_schema.target_kv_dtype(kv_cache_dtype)
     dkv = draft_schema.canonical_kv_dtype(draft_kv_cache_dtype, "--draft-kv-cache-dtype") or kv
     t_bytes = draft_schema.target_kv_bytes_per_token(target, kv, tp_size)
     d_bytes = draft_schema.draft_kv_bytes_per_token(draft, dkv, tp_size)
     upstream_d = draft_schema.upstream_draft_bytes_per_token(target, kv, tp_size)
-    target_weights = draft_schema.estimate_weight_bytes(target.text_config, 2, tp_size)
-    draft_weights = sum(_numel(m["shape"]) * _DTYPE_BYTES.get(m["dtype"], 2) for m in shapes.values())
-    budget = int(gpu_memory_gib * 2 ** 30 * mem_fraction_static) - target_weights - draft_weights // tp_size
+
+    def weights_per_rank(tp):
+        if target_checkpoint_bytes is not None:
+            return target_checkpoint_bytes // tp
+        return draft_schema.estimate_weight_bytes(target.text_config, 2, tp, config=target.config)
+
+    target_weights = weights_per_rank(tp_size)
+    draft_weights = checkpoint.tensor_bytes(shapes)
+
+    def budget_at(tp):
+        return int(gpu_memory_gib * 2 ** 30 * mem_fraction_static) - weights_per_rank(tp) - draft_weights // tp
+
+    budget = budget_at(tp_size)
     ours = draft_schema.PoolSplit(max(budget, 0), t_bytes, d_bytes)
     upstream_tokens = draft_schema.PoolSplit(max(budget, 0), t_bytes, upstream_d).tokens
     overshoot = upstream_tokens * (d_bytes - upstream_d)
+    min_tp = next((tp for tp in (1, 2, 4, 8, 16, 32, 64) if budget_at(tp) > 0), None)
     return {"head_format": draft.head_format, "tp_size": tp_size, "kv_cache_dtype": kv, "draft_kv_cache_dtype": dkv,
             "target_bytes_per_token": t_bytes, "draft_bytes_per_token": d_bytes,
             "upstream_draft_bytes_per_token": upstream_d, "gpu_memory_gib": gpu_memory_gib,
             "mem_fraction_static": mem_fraction_static, "target_weights_gib_estimate": target_weights / 2 ** 30,
+            "target_weights_source": "checkpoint" if target_checkpoint_bytes is not None else "config",
             "draft_weights_gib": draft_weights / 2 ** 30, "split": ours.to_dict(),
-            "upstream_tokens": upstream_tokens, "upstream_overshoot_gib": overshoot / 2 ** 30}
-
-
-_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "I32": 4, "BOOL": 1, "F8_E4M3": 1, "U8": 1, "I8": 1}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for x in shape:
-        n *= int(x)
-    return n
+            "upstream_tokens": upstream_tokens, "upstream_overshoot_gib": overshoot / 2 ** 30, "min_tp_size": min_tp}
 
 
 def render(report: dict) -> str:
@@ -159,7 +231,8 @@ def render(report: dict) -> str:
         k, sp = report["kv_pools"], report["kv_pools"]["split"]
         lines.append(f"KV pools per rank (TP {k['tp_size']}, {k['gpu_memory_gib']:g} GiB GPU, --mem-fraction-static "
                      f"{k['mem_fraction_static']:g}; target weights ~{k['target_weights_gib_estimate']:.1f} GiB "
-                     f"estimated from the config):")
+                     + ("from its checkpoint):" if k["target_weights_source"] == "checkpoint"
+                        else "estimated from the config):"))
         lines.append(f"  target {k['target_bytes_per_token']} B/token ({k['kv_cache_dtype']}); draft "
                      f"{k['draft_bytes_per_token']} B/token ({k['head_format'].upper()} head, "
                      f"{k['draft_kv_cache_dtype']}); upstream SGLang budgets the draft at "
@@ -173,8 +246,10 @@ def render(report: dict) -> str:
     if report["errors"]:
         lines.append(f"REFUSED ({len(report['errors'])} error(s)):")
         lines += [f"  - {e['message']}" for e in report["errors"]]
-    else:
+    elif report.get("weights_checked"):
         lines.append("OK: the server would accept this pair.")
+    else:
+        lines.append("OK by the configs: the server would accept them; the weights were not checked (see the notes).")
     return "\n".join(lines)
 
 
@@ -195,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
                                                 "latents its decode kernel cannot compile (otherwise a note)")
     ap.add_argument("--json", action="store_true", help="print a JSON report")
     args = ap.parse_args(argv)
+    if args.tp_size < 1:
+        ap.error(f"--tp-size {args.tp_size}: at least 1")
+    if not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
+        ap.error(f"--gpu-memory-gib {args.gpu_memory_gib}: a positive number of GiB (H200: 141)")
+    if not (math.isfinite(args.mem_fraction_static) and 0 < args.mem_fraction_static <= 1):
+        ap.error(f"--mem-fraction-static {args.mem_fraction_static}: a fraction in (0, 1], e.g. 0.85")
     pools = dict(gpu_memory_gib=args.gpu_memory_gib, mem_fraction_static=args.mem_fraction_static,
                  tp_size=args.tp_size, kv_cache_dtype=args.kv_cache_dtype,
                  draft_kv_cache_dtype=args.draft_kv_cache_dtype, attention_backend=args.attention_backend)

@@ -46,18 +46,23 @@ def draft_config(arch="LlamaForCausalLMEagle3", hidden=64, vocab=163840, ids=Non
 
 
 def write_head(path, fmt="mha", hidden=64, target_hidden=7168, vocab=163840, n_aux=3, draft_vocab=32,
-               arch=None, ids=None, convention=None, **config_overrides):
+               arch=None, ids=None, convention=None, heads=2, **config_overrides):
     """A complete Eagle3 head (config.json + safetensors in the serving layout, written by the core),
     small (hidden 64) whatever the target's size; eagle_config ids/convention as given."""
     from sglang_ext.core.heads import Eagle3Head, HeadConfig
 
     mla = dict(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    cfg = HeadConfig(head_format=fmt, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=2,
+    cfg = HeadConfig(head_format=fmt, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=heads,
                      vocab_size=vocab, target_hidden_size=target_hidden, num_aux=n_aux, draft_vocab_size=draft_vocab,
                      **(dict(num_key_value_heads=2, head_dim=32) if fmt == "mha" else mla))
     head = Eagle3Head(cfg)
     head.save_pretrained(str(path))
-    d = dict(cfg.to_dict(), **config_overrides)
+    import dataclasses
+
+    # the config our exporter writes for these ids (eagle_config's, and vLLM's top-level field for a declared
+    # convention); an undeclared one is a third-party config with eagle_config's ids alone
+    d = dict(dataclasses.replace(cfg, aux_layer_ids=ids, aux_layer_convention=convention).to_dict(),
+             **config_overrides)
     if arch:
         d["architectures"] = [arch]
     eagle = {"use_aux_hidden_state": True}

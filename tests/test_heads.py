@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from sglang_ext.conventions import ConfigError
 from sglang_ext.core import tiny
 from sglang_ext.core.heads import Eagle3Head, HeadConfig
 from sglang_ext.core.layers import KVCache, RotaryEmbedding
@@ -216,3 +217,27 @@ def test_undeclared_convention_survives_a_load_save_round_trip(targets, tmp_path
     del d["eagle_config"]["aux_layer_convention"]
     again = HeadConfig.from_dict(d).to_dict()
     assert again["eagle_config"] == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [2, 3, 4]}
+
+
+def test_export_names_the_layers_for_vllm_too(targets):
+    """vLLM reads the top-level eagle_aux_hidden_state_layer_ids as input ids (not eagle_config's): the export
+    writes it, so both engines capture the layers the head was trained on."""
+    from sglang_ext.conventions import engine_output_ids, parse_draft, parse_target
+
+    d = tiny.head_config_for(targets["ds"].config, "mha", [0, 1, 3]).to_dict()
+    assert d["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
+    assert d["eagle_config"]["aux_layer_convention"] == "output" and d["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    target = parse_target(targets["ds"].config.to_dict())
+    draft = parse_draft(d)
+    assert engine_output_ids("sglang-ext", target, draft) == engine_output_ids("vllm", target, draft) == [0, 1, 3]
+    assert HeadConfig.from_dict(d).to_dict() == d
+
+
+def test_head_configs_no_loader_serves_are_refused_before_training(targets):
+    cfg = targets["ds"].config
+    with pytest.raises(ConfigError) as e:  # SGLang would take the target's embedding as lm_head, d2t or not
+        tiny.head_config_for(cfg, "mha", [0, 1, 3], draft_vocab_size=16, tie_word_embeddings=True)
+    assert e.value.field == "tie_word_embeddings"
+    with pytest.raises(ConfigError) as e:  # no MLA loader has the input norm
+        tiny.head_config_for(cfg, "mla", [0, 1, 3], norm_before_fc=True)
+    assert e.value.field == "norm_before_fc"

@@ -20,11 +20,12 @@ VOCAB = {"kimi": 163840, "dsv3": 129280, "tiny": 512}
 CASES = [
     # target, ids, convention, ours, {engine: layers that differ from ours}
     ("kimi", None, None, [1, 29, 57], {}),  # lightseekorg/kimi-k2.5-eagle3: no eagle ids at all
-    ("kimi", [1, 29, 57], None, [1, 29, 57], {"vllm": [0, 28, 56]}),  # a SpecForge export
-    ("dsv3", [1, 29, 57], "output", [1, 29, 57], {"vllm": [0, 28, 56]}),
+    # a SpecForge export: vLLM reads only the top-level field (none here), so its default, the same layers
+    ("kimi", [1, 29, 57], None, [1, 29, 57], {}),
+    ("dsv3", [1, 29, 57], "output", [1, 29, 57], {}),  # ours: the top-level field for vLLM is [2, 30, 58]
     ("dsv3", [2, 30, 58], "input", [1, 29, 57], {"trtllm": [2, 30, 58]}),
     ("dsv3", [2, 30, 58], None, [1, 29, 57], {"trtllm": [2, 30, 58]}),  # upstream reads these verbatim
-    ("tiny", [0, 3, 7], "output", [0, 3, 7], {"sglang": [-1, 2, 6], "vllm": [-1, 2, 6]}),
+    ("tiny", [0, 3, 7], "output", [0, 3, 7], {"sglang": [-1, 2, 6]}),
     ("tiny", [1, 4, 7], "vllm", [0, 3, 6], {"sglang": [1, 4, 7], "trtllm": [1, 4, 7]}),
 ]
 

@@ -165,6 +165,16 @@ def test_startup_refuses_a_bad_pair_before_loading(tmp_path, monkeypatch):
     assert e.value.field == "target.kv_lora_rank" and "Triton" in e.value.problem
     monkeypatch.setattr(ac, "decode_backends", lambda: ("flashinfer", "flashinfer"))
     assert plan_for_target(target, "DeepseekV3ForCausalLM", None, good, None).output_ids == (1, 3, 5)
+    # a TP size the head counts cannot split (target 4 heads, draft 2): named at startup, not a bare assert
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(ac, "server_args", lambda: SimpleNamespace(tp_size=4))
+    with pytest.raises(ConfigError) as e:
+        plan_for_target(target, "DeepseekV3ForCausalLM", None, good, None)
+    assert e.value.field == "--tp-size" and "draft's 2 attention heads" in e.value.problem
+    # with DP attention the attention splits over tp / dp = 2 ranks: accepted
+    monkeypatch.setattr(ac, "server_args", lambda: SimpleNamespace(tp_size=4, enable_dp_attention=True, dp_size=2))
+    assert plan_for_target(target, "DeepseekV3ForCausalLM", None, good, None).output_ids == (1, 3, 5)
 
 
 ADAPTIVE = """

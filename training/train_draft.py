@@ -60,8 +60,9 @@ def parse_args(argv=None):
                          "layout (MHA under a Llama-style target, MLA under a DeepSeek one, dense MLP); auto: the "
                          "layer after the last aux layer; none: random")
     ap.add_argument("--head-override", action="append", default=[], metavar="FIELD=JSON",
-                    help="override a head config field derived from the target, e.g. q_lora_rank=null, "
-                         "num_attention_heads=16 (repeatable)")
+                    help="override a head config field derived from the target, e.g. num_attention_heads=16, "
+                         "q_lora_rank=null (an MLA head without q_lora_rank serves only with this plugin: upstream "
+                         "SGLang's and vLLM's MLA Eagle3 loaders need it) (repeatable)")
     ap.add_argument("--out", default="out/draft", help="exported head directory")
     ap.add_argument("--work", default="out/work", help="regenerated data, features, checkpoints")
     ap.add_argument("--regen-server", help="OpenAI-compatible base URL (SGLang); default in-process")

@@ -40,7 +40,8 @@ def head_aux_output_ids(head: Eagle3Head, target) -> list[int]:
     if cfg.aux_layer_ids is None:
         return default_output_ids(text.num_hidden_layers)
     arch = architecture_of(target.config.to_dict())
-    return to_output_ids(cfg.aux_layer_ids, cfg.aux_layer_convention or "sglang", target_family(arch))
+    return to_output_ids(cfg.aux_layer_ids, cfg.aux_layer_convention or "sglang", target_family(arch),
+                         text.num_hidden_layers)
 
 
 class ReferenceDecoder:

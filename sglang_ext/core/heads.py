@@ -26,7 +26,15 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from sglang_ext.conventions import CONVENTION_FIELD, LAYER_IDS_FIELD, ConfigError, parse_draft
+from sglang_ext.conventions import (
+    CONVENTION_ALIASES,
+    CONVENTION_FIELD,
+    LAYER_IDS_FIELD,
+    ConfigError,
+    from_output_ids,
+    parse_draft,
+    to_output_ids,
+)
 from sglang_ext.core.layers import MLP, KVCache, RMSNorm, RotaryEmbedding, attention, rope_parameters
 from sglang_ext.core.ttt_attention import TTTCache
 
@@ -63,6 +71,18 @@ class HeadConfig:
     hidden_act: str = "silu"
     aux_layer_convention: str | None = "output"
     extra: dict = dataclasses.field(default_factory=dict)  # other fields, kept on save
+
+    def __post_init__(self):
+        # refused when the config is made (before any training), not at export: no loader serves these
+        if self.tie_word_embeddings and self.draft_vocab < self.vocab_size:
+            raise ConfigError("tie_word_embeddings", True,
+                              f"a tied head's lm_head is the target's embedding (all {self.vocab_size} rows), which "
+                              f"a draft vocabulary of {self.draft_vocab} cannot index; SGLang would drop the trained "
+                              "lm_head", "leave tie_word_embeddings false (the default)")
+        if self.norm_before_fc and self.head_format == "mla":
+            raise ConfigError("norm_before_fc", True, "no MLA Eagle3 loader (SGLang 0.5.17's "
+                              "Eagle3DeepseekV2ForCausalLM, vLLM's deepseek_eagle3) has the input norm; it would be "
+                              "skipped at load", "use fc_norm (a norm per aux state, which they read) or an MHA head")
 
     @property
     def architecture(self) -> str:
@@ -132,6 +152,10 @@ class HeadConfig:
         if self.norm_before_fc:
             eagle["norm_before_fc"] = True
         d["eagle_config"] = eagle
+        conv = CONVENTION_ALIASES.get(str(self.aux_layer_convention).lower()) if self.aux_layer_convention else None
+        if self.aux_layer_ids is not None and conv in ("output", "input"):
+            # vLLM's field: it reads the top-level key (not eagle_config's), as input ids (docs/conventions.md)
+            d[LAYER_IDS_FIELD] = from_output_ids(to_output_ids(self.aux_layer_ids, conv), "input")
         return d
 
 

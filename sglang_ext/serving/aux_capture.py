@@ -33,7 +33,7 @@ from sglang_ext.conventions import (
     to_output_ids,
 )
 
-from sglang_ext.draft_schema import draft_kv_dtype_option, pair_errors, triton_pair_errors
+from sglang_ext.draft_schema import draft_kv_dtype_option, pair_errors, tp_errors, triton_pair_errors
 from sglang_ext.serving import feature_capture
 from sglang_ext.serving.context import decode_backends, draft_dir, server_args, server_draft_path
 
@@ -61,6 +61,12 @@ def plan_for_target(text_config: dict, architecture: str, layer_ids, draft_path:
         ids, convention = draft.aux_layer_ids, draft.aux_layer_convention
         fc_in = checkpoint.fc_in_features(shapes)
         errors += pair_errors(target, draft, shapes)  # the whole pair, before any weight is read
+        args = server_args()
+        tp = int(getattr(args, "tp_size", 1) or 1)
+        if getattr(args, "enable_dp_attention", False):  # attention splits over tp / dp ranks
+            tp = max(1, tp // int(getattr(args, "dp_size", 1) or 1))
+        if not errors:  # head counts a TP size cannot split: named here, not a bare assert in a layer later
+            errors += tp_errors(target, draft, tp)
         target_backend, draft_backend = decode_backends()
         errors += triton_pair_errors(target, draft, target_backend == "triton", draft_backend == "triton")
     draft_kv_dtype_option()  # an unknown value is refused here, at target load
