@@ -31,7 +31,7 @@ serve:  ## SGLang server with an Eagle3 draft (GPU): make serve TARGET=/models/K
 	$(PY) -m sglang.launch_server --model-path $(TARGET) --speculative-algorithm EAGLE3 \
 	  --speculative-draft-model-path $(DRAFT) $(SPEC) --port $(PORT) $(SERVE_ARGS)
 
-train-draft:  ## regenerate + capture + train + export an Eagle3 head (CPU default: SmolLM2, ~18 min on 2 cores)
+train-draft:  ## regenerate + capture + train + export an Eagle3 head (CPU default: SmolLM2, within 20 min on 2 cores)
 	$(PY) -m training.train_draft --target $(TARGET) --draft-format $(DRAFT_FORMAT) --out $(DRAFT) \
 	  --work $(WORK) $(foreach d,$(DATA),--data $(d)) $(if $(CONFIG),--config $(CONFIG)) $(TRAIN_ARGS)
 

@@ -217,7 +217,9 @@ def render(report: dict) -> str:
         conv = d["declared_convention"] or "undeclared -> read as upstream SGLang 0.5.17 reads it"
         lines.append(f"draft: {report['draft']}\n  {d['architecture']}: {d['head_format'].upper()} head, hidden "
                      f"{d['hidden_size']}, draft vocab {d['draft_vocab_size']}, fc in_features {d['fc_in_features']}"
-                     f"\n  aux ids in config: {d['aux_layer_ids']} (convention: {conv})")
+                     f"\n  aux ids in config: {d['aux_layer_ids']} (convention: {conv}"
+                     + ("; from the top-level field only, vLLM's" if d.get("aux_ids_source") == "top-level" else "")
+                     + ")" + (f"; vLLM's field: {d['vllm_layer_ids']}" if d.get("vllm_layer_ids") else ""))
     if "engines" in report:
         lines.append("physical target layers read (outputs of 0-based decoder layers):")
         for engine, ids in report["engines"].items():

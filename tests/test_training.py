@@ -492,3 +492,17 @@ def test_held_out_conversations_sample_every_source():
     extra = extra_samples(order[len(held):], 3)  # responses 2 and 3 of the training prompts only
     assert len(extra) == 2 * 190 and {c.id.rsplit("#s", 1)[1] for c in extra} == {"1", "2"}
     assert not {c.id.rsplit("#s", 1)[0] for c in extra} & {c.id for c in held}
+
+
+def test_cpu_default_run_keeps_within_its_time_budget():
+    """`make train-draft` on the CPU must end within 20 minutes on a slower machine too: training gets what the
+    budget leaves after regeneration and features (the schedule is then fitted to it), and an explicit
+    --max-train-minutes wins."""
+    from training.train_draft import parse_args, train_seconds_limit
+
+    cpu = parse_args(["--device", "cpu"])
+    assert cpu.time_budget_minutes == 19.5 and cpu.max_train_minutes is None
+    assert train_seconds_limit(cpu, elapsed_s=430) == 19.5 * 60 - 430 - cpu.post_train_reserve_s
+    assert train_seconds_limit(cpu, elapsed_s=1200) == 60.0  # over budget already: one minute, not nothing
+    assert train_seconds_limit(parse_args(["--device", "cpu", "--max-train-minutes", "3"]), 430) == 180
+    assert train_seconds_limit(parse_args(["--device", "cuda"]), 430) is None

@@ -404,6 +404,8 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
                     log(f"schedule fitted to the time limit: {fitted} optimizer steps of the {planned} planned "
                         f"({per_step:.2f}s per step, {left:.0f}s left)")
                 total = fitted
+                bar.total = total  # the bar shows the fitted schedule, not the planned one
+                bar.refresh()
         if cfg.profile_steps and step == first_step + 2 and profiler is None:
             profiler = _start_profiler(device)
         if profiler is not None and step == first_step + 2 + cfg.profile_steps:
