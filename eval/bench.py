@@ -121,10 +121,26 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/bench")
     args = ap.parse_args(argv)
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        ap.error(f"--concurrency {args.concurrency}: comma-separated integers, e.g. 1,4,16,64")
+    if not levels or min(levels) < 1:
+        ap.error(f"--concurrency {args.concurrency}: every level at least 1")
+    for name in ("requests_per_level", "output_len"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    from sglang_ext.http_client import get_json
+
+    for url in filter(None, (args.base_url, args.nospec_url)):  # before any prompt is prepared
+        try:
+            get_json(url.rstrip("/") + "/get_model_info", timeout=10)
+        except Exception as e:
+            print(f"error: cannot reach the server at {url} ({e}); start it first, or fix the URL", file=sys.stderr)
+            return 2
     from sglang_ext.core.targets import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
-    levels = [int(c) for c in args.concurrency.split(",")]
     rng = random.Random(args.seed)
     report = {"config": vars(args), "chat_template": not args.raw_prompts, "levels": {}}
     if args.raw_prompts:

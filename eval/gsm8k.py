@@ -273,11 +273,35 @@ def parse_args(argv=None):
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="out/eval-gsm8k")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for name in ("limit", "num_steps", "topk", "max_new_tokens", "concurrency"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    if args.num_shots < 0:
+        ap.error(f"--num-shots {args.num_shots}: 0 or more")
+    if args.temperature < 0:
+        ap.error(f"--temperature {args.temperature}: 0 (greedy) or more")
+    if args.compare and args.base_url and not args.compare_base_url:
+        ap.error("--compare with --base-url needs --compare-base-url (the server without speculation)")
+    for name in ("data_path", "fewshot_path"):
+        path = getattr(args, name)
+        if path and not os.path.exists(path):
+            ap.error(f"--{name.replace('_', '-')} {path}: no such file (a GSM8K JSONL; leave it out for the default)")
+    if not args.base_url and not os.path.exists(os.path.join(args.draft, "config.json")):
+        ap.error(f"--draft {args.draft}: no exported head there; run `make train-draft` first")
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        return run(args)
+    except (FileNotFoundError, ConnectionError) as e:  # a path or a server named on the command line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
     from sglang_ext.core.targets import load_tokenizer
 
     rows, bad = load_gsm8k(args.data_path, "test", args.limit)
@@ -295,10 +319,6 @@ def main(argv=None) -> int:
         # speculate, and the report says so if it does not)
         arms.append(("spec" if depth or args.compare else "no-spec", ServerBackend(args.base_url, tok, args.concurrency)))
         if args.compare:
-            if not args.compare_base_url:
-                print("--compare with --base-url needs --compare-base-url (the server without speculation)",
-                      file=sys.stderr)
-                return 2
             arms.append(("no-spec", ServerBackend(args.compare_base_url, tok, args.concurrency)))
     else:
         from sglang_ext.core.decoder import ReferenceDecoder
@@ -306,9 +326,6 @@ def main(argv=None) -> int:
         from sglang_ext.core.targets import load_target
 
         target = load_target(args.target, device=args.device)
-        if not os.path.exists(os.path.join(args.draft, "config.json")):
-            print(f"--draft {args.draft}: no exported head there; run `make train-draft` first", file=sys.stderr)
-            return 2
         head = Eagle3Head.from_pretrained(args.draft, target.get_input_embeddings().weight).to(args.device)
         dec = ReferenceDecoder(target, head, args.num_steps, args.topk, args.num_draft_tokens)
         arms.append(("spec", ReferenceBackend(dec, tok, True)))

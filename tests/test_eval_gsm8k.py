@@ -149,3 +149,25 @@ def test_truncated_server_histogram_uses_the_server_depth():
     spec = G.spec_from_meta({"spec_verify_ct": 7, "spec_correct_drafts_histogram": [7]})
     acc = G.acceptance([{"spec": spec}], 3)
     assert acc["per_position_acceptance"] == [0.0, 0.0, 0.0] and acc["histogram_counts"] == [7, 0, 0, 0]
+
+
+@pytest.mark.parametrize("argv,text", [
+    (["--limit", "0"], "--limit 0"),
+    (["--num-steps", "-1"], "--num-steps -1"),
+    (["--data-path", "/nonexistent/test.jsonl"], "no such file"),
+    (["--draft", "/nonexistent/head"], "no exported head there"),
+    (["--base-url", "http://127.0.0.1:9", "--compare"], "--compare-base-url"),
+])
+def test_bad_command_lines_are_refused_before_any_model_loads(argv, text, capsys):
+    from eval import gsm8k as G
+
+    with pytest.raises(SystemExit) as e:
+        G.main(argv)
+    assert e.value.code == 2 and text in capsys.readouterr().err
+
+
+def test_an_unreachable_server_is_an_error_not_a_traceback(capsys):
+    from eval import gsm8k as G
+
+    assert G.main(["--base-url", "http://127.0.0.1:9", "--limit", "1"]) == 2  # nothing listens on port 9
+    assert "cannot ask http://127.0.0.1:9" in capsys.readouterr().err

@@ -239,3 +239,20 @@ def test_a_run_of_only_the_protections_arms_prints_no_empty_table(tmp_path, monk
     sb.report(str(tmp_path / "benchmarks.md"))
     text = (tmp_path / "benchmarks.md").read_text()
     assert "plugin/upstream (min-max)" not in text and "| 32 | 0.975 (0.951-1.000) | 0.974 |" in text
+
+
+@pytest.mark.parametrize("argv,text", [(["--concurrency", "0,4"], "at least 1"), (["--concurrency", "a"], "integers"),
+                                       (["--output-len", "0"], "--output-len 0")])
+def test_bench_refuses_bad_levels_before_anything_runs(argv, text, capsys):
+    from eval import bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--base-url", "http://127.0.0.1:9", "--tokenizer", "smollm2", *argv])
+    assert e.value.code == 2 and text in capsys.readouterr().err
+
+
+def test_bench_says_when_the_server_is_not_there(capsys):
+    from eval import bench
+
+    assert bench.main(["--base-url", "http://127.0.0.1:9", "--tokenizer", "smollm2"]) == 2
+    assert "cannot reach the server at http://127.0.0.1:9" in capsys.readouterr().err

@@ -506,3 +506,14 @@ def test_cpu_default_run_keeps_within_its_time_budget():
     assert train_seconds_limit(cpu, elapsed_s=1200) == 60.0  # over budget already: one minute, not nothing
     assert train_seconds_limit(parse_args(["--device", "cpu", "--max-train-minutes", "3"]), 430) == 180
     assert train_seconds_limit(parse_args(["--device", "cuda"]), 430) is None
+
+
+@pytest.mark.parametrize("spec,text", [("bogus:x", "kind 'bogus' unknown"),
+                                       ("messages:/nonexistent/chats.jsonl", "does not exist"),
+                                       ("gsm8k:/nonexistent/train.jsonl:10", "does not exist")])
+def test_bad_data_sources_are_refused_before_the_target_loads(spec, text, capsys):
+    from training.train_draft import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--device", "cpu", "--data", spec])
+    assert e.value.code == 2 and text in capsys.readouterr().err

@@ -135,9 +135,9 @@ def _conversation(row, idx: int, report: LoadReport) -> Conversation | None:
     return Conversation(str(row.get("id", row.get("prompt_id", idx))), msgs)
 
 
-def load_source(spec: str, report: LoadReport | None = None) -> list[Conversation]:
-    """One source spec -> conversations (see the module docstring)."""
-    report = report if report is not None else LoadReport()
+def parse_spec(spec: str, check_files: bool = False) -> tuple[str, str, int | None]:
+    """(kind, where, limit) of a source spec; `check_files`: a local file it names must exist (checked at
+    option parsing, before any model loads)."""
     parts = spec.split(":")
     kind = parts[0]
     limit = None
@@ -147,6 +147,18 @@ def load_source(spec: str, report: LoadReport | None = None) -> list[Conversatio
     where = ":".join(parts[1:])
     if kind not in ("sharegpt", "messages", "gsm8k", "hf"):
         raise ValueError(f"data source {spec!r}: kind {kind!r} unknown; use sharegpt:, messages:, gsm8k: or hf:")
+    local = kind in ("sharegpt", "messages") or (kind == "gsm8k" and where not in ("", "openai/gsm8k"))
+    if check_files and local:
+        path = sharegpt_package_path() if kind == "sharegpt" and where in ("", "pkg") else where
+        if not path or not os.path.exists(path):
+            raise FileNotFoundError(f"data source {spec!r}: {path or '(no path)'} does not exist")
+    return kind, where, limit
+
+
+def load_source(spec: str, report: LoadReport | None = None) -> list[Conversation]:
+    """One source spec -> conversations (see the module docstring)."""
+    report = report if report is not None else LoadReport()
+    kind, where, limit = parse_spec(spec)
     if kind == "hf":
         import datasets
 

@@ -148,6 +148,11 @@ def parse_args(argv=None):
         args.draft_vocab_size = 4096 if cpu else 32000
     if not args.data:
         args.data = ["sharegpt:pkg:60", f"gsm8k:{default_gsm8k('train')}:240"]
+    for spec in args.data:  # a typo in a source is refused here, not after the target has loaded
+        try:
+            data_mod.parse_spec(spec, check_files=True)
+        except (ValueError, FileNotFoundError) as e:
+            ap.error(f"--data {e}")
     if args.regen_samples < 1:
         ap.error(f"--regen-samples {args.regen_samples}: at least 1 (the one response at --temperature)")
     if args.regen_samples > 1 and args.sample_temperature <= 0:
