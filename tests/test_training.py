@@ -511,9 +511,12 @@ def test_cpu_default_run_keeps_within_its_time_budget():
 @pytest.mark.parametrize("spec,text", [("bogus:x", "kind 'bogus' unknown"),
                                        ("messages:/nonexistent/chats.jsonl", "does not exist"),
                                        ("gsm8k:/nonexistent/train.jsonl:10", "does not exist")])
-def test_bad_data_sources_are_refused_before_the_target_loads(spec, text, capsys):
-    from training.train_draft import parse_args
+def test_bad_data_sources_are_refused_before_the_target_loads(spec, text, capsys, monkeypatch):
+    import training.train_draft as td
 
-    with pytest.raises(SystemExit) as e:
-        parse_args(["--device", "cpu", "--data", spec])
-    assert e.value.code == 2 and text in capsys.readouterr().err
+    monkeypatch.setattr(td, "load_tokenizer", lambda *a: pytest.fail("the target was loaded"))
+    try:
+        rc = td.main(["--device", "cpu", "--data", spec])
+    except SystemExit as e:  # refused by the option parser
+        rc = e.code
+    assert rc == 2 and text in capsys.readouterr().err

@@ -150,8 +150,8 @@ def parse_args(argv=None):
         args.data = ["sharegpt:pkg:60", f"gsm8k:{default_gsm8k('train')}:240"]
     for spec in args.data:  # a typo in a source is refused here, not after the target has loaded
         try:
-            data_mod.parse_spec(spec, check_files=True)
-        except (ValueError, FileNotFoundError) as e:
+            data_mod.parse_spec(spec)
+        except ValueError as e:
             ap.error(f"--data {e}")
     if args.regen_samples < 1:
         ap.error(f"--regen-samples {args.regen_samples}: at least 1 (the one response at --temperature)")
@@ -250,6 +250,12 @@ def init_distributed(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    for spec in args.data:  # files are checked on the machine that runs (the GPU scripts parse for another)
+        try:
+            data_mod.parse_spec(spec, check_files=True)
+        except FileNotFoundError as e:
+            print(f"python -m training.train_draft: error: --data {e}", file=sys.stderr)
+            return 2
     t0 = time.time()
     world, rank, wait_group = init_distributed(args)
     torch.manual_seed(args.seed)
