@@ -166,8 +166,11 @@ def test_bad_command_lines_are_refused_before_any_model_loads(argv, text, capsys
     assert e.value.code == 2 and text in capsys.readouterr().err
 
 
-def test_an_unreachable_server_is_an_error_not_a_traceback(capsys):
+def test_an_unreachable_server_is_an_error_not_a_traceback(capsys, tmp_path):
     from eval import gsm8k as G
 
-    assert G.main(["--base-url", "http://127.0.0.1:9", "--limit", "1"]) == 2  # nothing listens on port 9
+    data = tmp_path / "test.jsonl"  # a local split: a clean clone has no ../shared data (and no network)
+    data.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n")
+    argv = ["--base-url", "http://127.0.0.1:9", "--limit", "1", "--data-path", str(data), "--num-shots", "0"]
+    assert G.main(argv) == 2  # nothing listens on port 9
     assert "cannot ask http://127.0.0.1:9" in capsys.readouterr().err
