@@ -13,6 +13,11 @@ from sglang_ext.conventions import ConfigError
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def directory_of(path: str) -> str:
+    """The model directory a path names: itself, or the directory of the file (a config.json) it names."""
+    return path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+
+
 def read_safetensors_header(path: str) -> dict[str, dict]:
     """{tensor name: {"dtype": str, "shape": [..]}} of one .safetensors file; a file that is not one
     (truncated, not JSON, malformed entries) is a ConfigError naming it."""

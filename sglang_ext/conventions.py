@@ -120,11 +120,12 @@ MODEL_TYPE_ARCHITECTURES = {  # configs that name no architecture (GGUF-converte
 }
 
 
-def architecture_of(config: Mapping[str, Any], who: str = "target") -> str:
+def architecture_of(config: Mapping[str, Any]) -> str:
+    """A target's architecture: architectures[0], else the one its model_type implies."""
     archs = config.get("architectures")
     if archs:
         if not isinstance(archs, (list, tuple)) or not isinstance(archs[0], str):
-            raise ConfigError(f"{who}.architectures", archs, "not a list of class names",
+            raise ConfigError("target.architectures", archs, "not a list of class names",
                               'write a list such as ["DeepseekV3ForCausalLM"]')
         return archs[0]
     return MODEL_TYPE_ARCHITECTURES.get(config.get("model_type"), "?")

@@ -466,14 +466,14 @@ class PoolSplit:
                 f"{self.draft_bytes / gib:.3f} GiB (budget {self.budget_bytes / gib:.3f} GiB)")
 
 
-def quantized_bytes_per_weight(config: Mapping[str, Any]) -> tuple[float, bool]:
+def quantized_bytes_per_weight(config: Mapping[str, Any]) -> tuple[float | None, bool]:
     """(bytes per quantized linear weight, whether only the routed experts are quantized) from a target's
     `quantization_config`: DeepSeek-V3/R1's block fp8 (every decoder linear layer), Kimi-K2.x's
     compressed-tensors INT4 (routed experts; group scales included), other n-bit schemes (every linear
-    layer). (2.0, False) without one."""
+    layer). (None, False) when the weights are not quantized."""
     q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     if not isinstance(q, Mapping):
-        return 2.0, False
+        return None, False
     method = str(q.get("quant_method", "")).lower()
     if method == "fp8" or "fp8" in str(q.get("fmt", "")).lower():
         return 1.0, False
@@ -484,7 +484,7 @@ def quantized_bytes_per_weight(config: Mapping[str, Any]) -> tuple[float, bool]:
     if is_int(bits) and 0 < bits < 16:
         scale = 2.0 / group if is_int(group) and group > 0 else 0.0  # one bf16 scale per group
         return bits / 8 + scale, method == "compressed-tensors"
-    return 2.0, False
+    return None, False
 
 
 def estimate_weight_bytes(text_config: Mapping[str, Any], dtype_size: int = 2, tp_size: int = 1,
@@ -518,7 +518,7 @@ def estimate_weight_bytes(text_config: Mapping[str, Any], dtype_size: int = 2, t
         routed, other_mlp = 0, layers * dense
     embed = v * h * (1 if c.get("tie_word_embeddings") else 2)
     qbytes, experts_only = quantized_bytes_per_weight(config or c)
-    if qbytes == 2.0:
+    if qbytes is None:
         qbytes = dtype_size
     if experts_only:
         total = routed * qbytes + (layers * attn + other_mlp + embed) * dtype_size

@@ -58,7 +58,7 @@ def inspect(draft_path: str, target_path: str, override: str | None = None, pool
     except ConfigError as e:
         fail(e)
         return report
-    draft_dir = draft_path if os.path.isdir(draft_path) else os.path.dirname(os.path.abspath(draft_path))
+    draft_dir = checkpoint.directory_of(draft_path)
     try:
         shapes = checkpoint.weight_shapes(draft_dir)
         fc_in = checkpoint.fc_in_features(shapes)
@@ -133,9 +133,8 @@ def inspect(draft_path: str, target_path: str, override: str | None = None, pool
     elif kv is not None and draft_schema.TARGET_KV_DTYPES[kv] is None:
         report["notes"].append(f"KV pool report skipped: a {kv} KV cache is a packed 4-bit recipe this tool does not size")
     elif kv is not None:
-        target_dir = target_path if os.path.isdir(target_path) else os.path.dirname(os.path.abspath(target_path))
         try:
-            on_disk = checkpoint.checkpoint_bytes(target_dir)
+            on_disk = checkpoint.checkpoint_bytes(checkpoint.directory_of(target_path))
         except ConfigError as e:
             report["notes"].append(f"target weights not sized from its checkpoint ({e}); estimated from the config")
             on_disk = None
