@@ -118,7 +118,8 @@ def test_a_new_batch_size_stops_at_once_when_the_shared_window_accepts_nothing()
     assert small.depth == 0
     big = CostModelPolicy([0, 1, 3], initial=3, window=shared)  # batch 64, first step
     d = big.observe(3, [0] * 64, None)  # not even a step time yet
-    assert d.changed and big.depth == 0 and "no draft accepted in the last 64 request-steps" in d.reason
+    # its own step and the 7 before it (batch 8): at least 64 request-steps and 8 steps
+    assert d.changed and big.depth == 0 and "no draft accepted in the last 120 request-steps (8 steps)" in d.reason
     # with its own window it would have waited out its warm-up at full depth
     alone = CostModelPolicy([0, 1, 3], initial=3)
     assert not alone.observe(3, [0] * 8, None).changed and alone.depth == 3
@@ -198,3 +199,47 @@ def test_exploring_depth0_measures_it_without_the_draft_extend():
         pol.observe(pol.depth, [2] * 4, step_ms(pol.depth, per_draft=20.0))
     assert pol.depth == 0 and pol._exploring
     assert not pol.needs_draft_state(lead=10_000)
+
+
+def correlated(rng, k, p, batch):
+    """SGLang's SGLANG_SIMULATE_ACC_LEN (match-expected): one acceptance length per step for the whole batch."""
+    a = accepted(rng, k, p) if k else 0
+    return [a] * batch
+
+
+def test_acceptance_correlated_across_a_batch_is_not_read_from_one_step():
+    """H200, Kimi-shaped target, 127 requests, a draft accepting 0.5 per step where SGLang's simulation draws one
+    length per step (session 13): depth 0 13.22 ms, depth 1 27.44 ms, depth 3 47.07 ms (2 accepted drafts per step
+    at 83-128 requests), so drafting loses (1.5 / 27.44 and 1.875 / 47.07 tokens per ms against 1 / 13.22).
+    A window of 64 request-steps was half a step: every probe's verdict was one coin flip, a lucky one sent the
+    policy to depth 1 or 3 ("accepted drafts per step at depth 1: 1.00"), an unlucky one back, and the arm ran at
+    0.94x of no speculation. The window now also spans 8 steps."""
+    times = {0: 13.22e-3, 1: 27.44e-3, 3: 47.07e-3}
+    for seed in range(5):
+        rng = random.Random(seed)
+        pol = CostModelPolicy([0, 1, 3], initial=3)
+        ran, wall, tokens = {0: 0, 1: 0, 3: 0}, 0.0, 0
+        for _ in range(3000):
+            k = pol.depth
+            step = correlated(rng, k, 0.5, 127)
+            pol.observe(k, step, times[k])
+            ran[k] += 1
+            wall += times[k]
+            tokens += 127 * (1 + step[0])
+        # only the warm-up, the measurement of depth 0 and the probes draft (256, 512, 1,024, 2,048 steps apart)
+        assert ran[1] + ran[3] <= 8 + 1 + 4 * 16 + 8, (seed, ran)
+        assert tokens / wall / (127 / times[0]) > 0.98, seed
+
+
+def test_a_probe_is_read_with_the_older_deeper_steps_not_outvoted_by_them():
+    """A chain's first draft is the same whatever the depth: a probe at depth 1 and earlier steps at depth 3 both
+    measure position 1. Only the deepest depth's steps counted before, so a handful of old depth-3 steps decided
+    what a fresh probe measured."""
+    pol = CostModelPolicy([0, 1, 3], initial=3)
+    for _ in range(4):  # old: depth 3, nothing accepted
+        pol.observe(3, [0], 7.5e-3)
+    for _ in range(16):  # the probe: depth 1, every draft accepted
+        pol.observe(1, [1], 6.6e-3)
+    depth, p = pol.acceptance_at_depth()
+    assert depth == 3 and p[0] == 16 / 20 and p[1] == 0.0  # position 1 from all 20 steps; 2 only from depth 3
+    assert abs(pol.expected_accepted(1) - 0.8) < 1e-12

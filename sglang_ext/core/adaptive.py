@@ -7,7 +7,8 @@ Throughput per request at depth k is
 
 with a the accepted drafts of a step (bonus excluded) and t(k) the measured wall time of a step
 at depth k. E[min(a, k)] = sum_{i<=k} P(a >= i) comes from the per-position acceptance of a recent
-window of steps; positions deeper than the window measured take the conditional rates last measured at
+window of steps (at least 64 request-steps and 8 steps; each position's rate pooled over every step that
+drafted it); positions deeper than the window measured take the conditional rates last measured at
 a deeper depth, and past those are extrapolated with the last conditional rate. t(k) is the median of the
 last `time_samples` step times where k ran (one slow step -- a request arriving, a state switch -- does
 not move it; an EMA did, and on an H200 a zero-acceptance run then left depth 0 for depth 1 or 3 on 37%
@@ -49,17 +50,22 @@ class CostModelPolicy:
     def __init__(self, candidates, initial: int, window: int | collections.deque = 64, time_samples: int = 15,
                  warmup: int = 8, decide_every: int = 8, probe_every: int = 256, probe_len: int = 16,
                  min_gain: float = 0.03, prior_draft_cost: float = 0.15, max_probe_every: int = 4096,
-                 explore_len: int = 8):
+                 explore_len: int = 8, window_steps: int = 8):
         self.candidates = sorted(set(int(c) for c in candidates))
         if not self.candidates:
             raise ValueError("candidates must not be empty")
         self.depth = initial if initial in self.candidates else self.candidates[len(self.candidates) // 2]
-        # (depth, accepted) per request-step; a deque passed in is shared with other policies (acceptance is a
-        # property of the draft and the traffic, not of the batch size; step times stay per policy)
+        # (depth, accepted drafts per request) per step; a deque passed in is shared with other policies (acceptance
+        # is a property of the draft and the traffic, not of the batch size; step times stay per policy). Estimates
+        # read the newest steps that hold `window_requests` request-steps *and* `window_steps` steps: at 128
+        # requests 64 request-steps are half a step, and where acceptance is correlated across a batch (SGLang's
+        # SGLANG_SIMULATE_ACC_LEN draws one length per step; a batch of similar prompts) one step is one sample
         self.window: collections.deque = window if isinstance(window, collections.deque) else \
             collections.deque(maxlen=window)
+        self.window_requests = self.window.maxlen or 64
+        self.window_steps = min(window_steps, self.window_requests)
         self.times: dict[int, float] = {}  # depth -> median of its recent step times
-        self.by_depth: dict[int, collections.deque] = {}  # depth -> its last window of accepted drafts (this policy)
+        self.by_depth: dict[int, collections.deque] = {}  # depth -> its last steps' accepted drafts (this policy)
         self._samples: dict[int, collections.deque] = {}
         self.time_samples = time_samples
         self.warmup, self.decide_every = warmup, decide_every
@@ -83,10 +89,10 @@ class CostModelPolicy:
             samples = self._samples.setdefault(depth, collections.deque(maxlen=self.time_samples))
             samples.append(step_seconds)
             self.times[depth] = statistics.median(samples)
-        if depth > 0:
-            self.window.extend((depth, min(int(a), depth)) for a in accepted)
-            self.by_depth.setdefault(depth, collections.deque(maxlen=self.window.maxlen)).extend(
-                min(int(a), depth) for a in accepted)
+        if depth > 0 and accepted:
+            step = tuple(min(int(a), depth) for a in accepted)
+            self.window.append((depth, step))
+            self.by_depth.setdefault(depth, collections.deque(maxlen=self.window_requests)).append((depth, step))
         self._steps += 1
         self._since_decision += 1
         if self._exploring:
@@ -127,18 +133,54 @@ class CostModelPolicy:
             return False
         return self.probe_interval - self._at_zero <= lead
 
+    def recent(self, steps=None) -> list[tuple[int, tuple[int, ...]]]:
+        """The newest steps holding at least `window_requests` request-steps and `window_steps` steps (all there
+        are, if fewer), newest first."""
+        out, requests = [], 0
+        for entry in reversed(self.window if steps is None else steps):
+            if requests >= self.window_requests and len(out) >= self.window_steps:
+                break
+            out.append(entry)
+            requests += len(entry[1])
+        return out
+
+    def _full(self, recent) -> bool:
+        return sum(len(a) for _, a in recent) >= self.window_requests and len(recent) >= self.window_steps
+
     def _never_accepts(self) -> bool:
         """A full window in which no draft was accepted at any depth."""
-        return len(self.window) == self.window.maxlen and not any(a for _, a in self.window)
+        recent = self.recent()
+        return self._full(recent) and not any(any(a) for _, a in recent)
+
+    def _window_text(self) -> str:
+        recent = self.recent()
+        return f"{sum(len(a) for _, a in recent)} request-steps ({len(recent)} steps)"
 
     # ------------------------------------------------------------------------------- estimates
+    @staticmethod
+    def _rates(recent) -> list[float]:
+        """P(a >= i | a >= i - 1) for i = 1..(deepest depth drafted), pooled over every step that drafted position
+        i: a chain's first i drafts do not depend on how many follow them, so a probe at depth 1 and older steps
+        at depth 3 measure position 1 alike (before, only the deepest depth's steps counted, and a few stale deep
+        steps could outvote a fresh probe)."""
+        deepest = max((d for d, _ in recent), default=0)
+        rates = []
+        for i in range(1, deepest + 1):
+            reached = [a for d, step in recent if d >= i for a in step if a >= i - 1]
+            if not reached:
+                break
+            rates.append(sum(a >= i for a in reached) / len(reached))
+        return rates
+
     def acceptance_at_depth(self) -> tuple[int, list[float]]:
-        """(K, [P(a >= i) for i = 1..K]) over the window's steps at its deepest depth K."""
-        if not self.window:
-            return 0, []
-        deepest = max(d for d, _ in self.window)
-        steps = [a for d, a in self.window if d == deepest]
-        return deepest, [sum(a >= i for a in steps) / len(steps) for i in range(1, deepest + 1)]
+        """(K, [P(a >= i) for i = 1..K]) over the window, K its deepest depth measured."""
+        recent = self.recent()
+        p, prob = [], 1.0
+        for r in self._rates(recent):
+            prob *= r
+            p.append(prob)
+        deepest = max((d for d, _ in recent), default=0)
+        return deepest, p + [0.0] * (deepest - len(p))  # past where no step got: none accepted there
 
     def per_position(self) -> list[float]:
         """[P(a >= i) for i = 1..]: the window's, continued past its deepest depth with the conditional rates
@@ -149,12 +191,10 @@ class CostModelPolicy:
         depth, p = self.acceptance_at_depth()
         deeper = [d for d, q in self.by_depth.items() if d > depth and q]
         if p and deeper:
-            q = self.by_depth[max(deeper)]
-            tail = [sum(a >= i for a in q) / len(q) for i in range(1, max(deeper) + 1)]
-            for i in range(depth + 1, len(tail) + 1):
-                if tail[i - 2] == 0:  # no deep step got that far (e.g. before acceptance recovered): no rate known
-                    break
-                p.append(p[-1] * tail[i - 1] / tail[i - 2])
+            # no rate past the positions its steps reached (e.g. measured before acceptance recovered)
+            rates = self._rates(self.recent(self.by_depth[max(deeper)]))
+            for rate in rates[depth:]:
+                p.append(p[-1] * rate)
         return p
 
     def expected_accepted(self, k: int) -> float | None:
@@ -207,7 +247,7 @@ class CostModelPolicy:
             # depth costs more than depth 0 and yields the same one token per step
             old = self.depth
             self.depth, self._at_zero = 0, 0
-            self.last_reason = (f"depth {old} -> 0: no draft accepted in the last {len(self.window)} request-steps "
+            self.last_reason = (f"depth {old} -> 0: no draft accepted in the last {self._window_text()} "
                                 "(acceptance window shared across batch sizes)" + self._times_text("; "))
             return Decision(0, True, self.last_reason)
         unmeasured = [k for k in self.candidates if k < self.depth and k not in self.times]

@@ -76,7 +76,8 @@ class StepClock:
 
 CLOCK = StepClock()
 # one acceptance window for every batch-size slot (acceptance belongs to the draft and the traffic; step times
-# stay per slot): a slot first reached after acceptance collapsed stops drafting at its first step
+# stay per slot): a slot first reached after acceptance collapsed stops drafting at its first step. It keeps the
+# last 64 drafting steps; estimates read the newest >= 64 request-steps and >= 8 steps of it (CostModelPolicy)
 SHARED_WINDOW: collections.deque = collections.deque(maxlen=64)
 
 
