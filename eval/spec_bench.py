@@ -476,16 +476,19 @@ def ratio_rows(state: dict) -> list[dict]:
                      "zero/nospec": r("zero-accept", "nospec"),
                      "zero-protected/nospec": r("zero-accept-protected", "nospec"),
                      "zero-protected-verify-decode/nospec": r("zero-accept-protected-verify-decode", "nospec"),
-                     "zero-protected-decode0/nospec": r("zero-accept-protected-decode0", "nospec"),
-                     "zero-protected-decode0/nospec band": band("zero-accept-protected-decode0", "nospec"),
-                     "zero-protected-decode0/nospec TPOT": r_tpot("nospec", "zero-accept-protected-decode0"),
-                     "chain-protected/nospec": r("chain-protected-decode0", "nospec"),
-                     "chain-protected/nospec band": band("chain-protected-decode0", "nospec"),
                      "chain-protected/chain": r("chain-protected-decode0", "plugin-chain-verify-decode"),
-                     "low-protected/nospec": r("low-accept-protected-decode0", "nospec"),
-                     "zero-protected-warm/nospec": r("zero-accept-protected-warm", "nospec"),
-                     "low-protected/nospec band": band("low-accept-protected-decode0", "nospec")})
+                     # the protection as shipped, over no speculation: (tok/s ratio, its min-max, TPOT ratio)
+                     "protected": {arm: (r(arm, "nospec"), band(arm, "nospec"), r_tpot("nospec", arm))
+                                   for arm in PROTECTED_COLUMNS}})
     return rows
+
+
+# the protection's table: a draft that never accepts (without and with depth 0's draft extend before probes, the
+# shipped default), then 0.5 and 2 accepted drafts per step
+PROTECTED_COLUMNS = {"zero-accept-protected-decode0": "zero acceptance, no depth-0 draft extend",
+                     "zero-accept-protected-warm": "zero acceptance, as shipped (draft extend before probes)",
+                     "low-accept-protected-decode0": "0.5 accepted drafts/step",
+                     "chain-protected-decode0": "2 accepted drafts/step"}
 
 
 def prefill_lines(arms: dict) -> list[str]:
@@ -548,23 +551,21 @@ def report(out_md: str) -> dict:
                       f"per step {b['accepted_drafts_per_step']:.2f}; bound (1 + a)/(1 + k c) = {b['bound']:.3f}; "
                       f"achieved (TPOT no-spec / TPOT chain) {b['achieved']:.3f} = {b['achieved/bound']:.2f} "
                       f"of the bound (output tokens/s ratio {b['throughput_ratio']:.3f})."]
-    protected = [r for r in rows if r["zero-protected-decode0/nospec"] or r["chain-protected/nospec"]
-                 or r["low-protected/nospec"] or r["zero-protected-warm/nospec"]]
+    protected = [r for r in rows if any(v[0] for v in r["protected"].values())]
     if protected:
-        band = lambda b: "" if not b else f" ({b[0]:.3f}-{b[1]:.3f})"  # noqa: E731
-        lines += ["", "The protection as shipped (depth 0 a plain decode step), over no speculation (output tokens/s, "
-                      "min-max over pairs of repeats):", "",
-                  "| concurrency | zero acceptance, protected, no depth-0 draft extend | its TPOT ratio | zero acceptance, "
-                  "protected (draft extend before probes) | 0.5 accepted drafts/step, protected | "
-                  "2 accepted drafts/step, protected | protected chain / unprotected chain (verify as decode) |",
-                  "|---|---|---|---|---|---|---|"]
+        def cell(v):
+            ratio, b, tpot = v
+            return "—" if ratio is None else (f"{ratio:.3f}" + ("" if not b else f" ({b[0]:.3f}-{b[1]:.3f})")
+                                              + ("" if tpot is None else f", TPOT {tpot:.3f}"))
+
+        lines += ["", "The protection as shipped (depth 0 a plain decode step), over no speculation: output tokens/s "
+                      "(min-max over pairs of repeats), TPOT ratio:", "",
+                  "| concurrency | " + " | ".join(PROTECTED_COLUMNS.values())
+                  + " | protected chain / unprotected chain (verify as decode) |",
+                  "|---|" + "---|" * (len(PROTECTED_COLUMNS) + 1)]
         for r in protected:
-            lines.append(f"| {r['concurrency']} | {fmt(r['zero-protected-decode0/nospec'])}"
-                         f"{band(r['zero-protected-decode0/nospec band'])} | "
-                         f"{fmt(r['zero-protected-decode0/nospec TPOT'])} | {fmt(r['zero-protected-warm/nospec'])} | "
-                         f"{fmt(r['low-protected/nospec'])}"
-                         f"{band(r['low-protected/nospec band'])} | {fmt(r['chain-protected/nospec'])}"
-                         f"{band(r['chain-protected/nospec band'])} | {fmt(r['chain-protected/chain'])} |")
+            lines.append(f"| {r['concurrency']} | " + " | ".join(cell(r["protected"][arm]) for arm in PROTECTED_COLUMNS)
+                         + f" | {fmt(r['chain-protected/chain'])} |")
     lines += prefill_lines(arms)
     pools = {k: v.get("pool") for k, v in arms.items() if v.get("pool")}
     if pools:

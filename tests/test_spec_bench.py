@@ -102,8 +102,9 @@ def test_report_from_a_state(tmp_path, monkeypatch):
     assert out["bounds"]["verify as decode"]["c"] == pytest.approx((0.013 / 0.010 - 1) / 3)
     text = (tmp_path / "benchmarks.md").read_text()
     assert "Batch 1, verify as decode: measured draft/target step-cost ratio c = 0.100" in text
-    assert f"| 1 | {99 / 101:.3f} ({98 / 102:.3f}-{100 / 100:.3f}) | {0.010 / 0.0102:.3f} | — | — | {207 / 101:.3f}" in text
-    assert f"| 32 | {2975 / 3050:.3f} ({2900 / 3100:.3f}-{3050 / 3000:.3f}) |" in text
+    assert (f"| 1 | {99 / 101:.3f} ({98 / 102:.3f}-{100 / 100:.3f}), TPOT {0.010 / 0.0102:.3f} | — | — | "
+            f"{207 / 101:.3f} ({205 / 102:.3f}-{209 / 100:.3f}), TPOT {0.010 / 0.0049:.3f} |") in text
+    assert f"| 32 | {2975 / 3050:.3f} ({2900 / 3100:.3f}-{3050 / 3000:.3f}), TPOT {0.011 / 0.0112:.3f} |" in text
     # a failed arm is named with its first error line; a profile is summarised
     state["arms"]["plugin-tree"] = {"levels": {}, "error": "OutOfMemoryError() at concurrency 32\nlog tail"}
     prof = {"window_ms": 100.0, "gpu_busy_ms": 40.0, "gpu_busy_fraction": 0.4, "steps": 10,
@@ -224,7 +225,7 @@ def test_low_acceptance_arm_and_the_prefill_table(tmp_path, monkeypatch):
     json.dump(state, open(tmp_path / "state.json", "w"))
     sb.report(str(tmp_path / "benchmarks.md"))
     text = (tmp_path / "benchmarks.md").read_text()
-    assert "| 32 | — | — | — | 1.125 (1.100-1.150) | — | — |" in text
+    assert f"| 32 | — | — | 1.125 (1.100-1.150), TPOT {0.0074 / 0.0068:.3f} | — | — |" in text
     assert "| nospec | — | 200 |" in text and "| low-accept-protected-decode0 | 70 | 230 (1.15) |" in text
 
 
@@ -238,7 +239,7 @@ def test_a_run_of_only_the_protections_arms_prints_no_empty_table(tmp_path, monk
     json.dump(state, open(tmp_path / "state.json", "w"))
     sb.report(str(tmp_path / "benchmarks.md"))
     text = (tmp_path / "benchmarks.md").read_text()
-    assert "plugin/upstream (min-max)" not in text and "| 32 | 0.975 (0.951-1.000) | 0.974 |" in text
+    assert "plugin/upstream (min-max)" not in text and "| 32 | 0.975 (0.951-1.000), TPOT 0.974 |" in text
 
 
 @pytest.mark.parametrize("argv,text", [(["--concurrency", "0,4"], "at least 1"), (["--concurrency", "a"], "integers"),
