@@ -520,3 +520,39 @@ def test_bad_data_sources_are_refused_before_the_target_loads(spec, text, capsys
     except SystemExit as e:  # refused by the option parser
         rc = e.code
     assert rc == 2 and text in capsys.readouterr().err
+
+
+def test_weight_decay_shrinks_the_matrices_and_leaves_the_norms(tiny_pair):
+    """--weight-decay: AdamW's decoupled decay, p <- p (1 - lr wd) - lr u, on the head's matrices; its norms' gains
+    take the same step as without decay."""
+    recs, lm = _features_and_lm(tiny_pair, n=4)
+    cfg = TrainConfig(ttt_steps=2, lr=1e-2, max_steps=1, grad_accum=1, seed=1)
+    torch.manual_seed(0)
+    plain = _head(tiny_pair, recs)
+    start = {n: p.detach().clone() for n, p in plain.named_parameters()}
+    train(plain, recs, lm, cfg, log=lambda *_: None)
+    torch.manual_seed(0)
+    decayed = _head(tiny_pair, recs)
+    train(decayed, recs, lm, dataclasses.replace(cfg, weight_decay=0.5), log=lambda *_: None)
+    without = dict(plain.named_parameters())
+    shrink = []
+    for n, p in decayed.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2:
+            assert torch.equal(p, without[n]), n
+        else:  # the difference is lr * wd * p0, one factor for every matrix
+            diff = (without[n] - p).detach()
+            factor = float((diff * start[n]).sum() / start[n].pow(2).sum())
+            assert torch.allclose(diff, factor * start[n], atol=1e-6), n
+            shrink.append(factor)
+    assert shrink and min(shrink) > 0 and max(shrink) - min(shrink) < 1e-4
+
+
+@pytest.mark.parametrize("value", ["-0.1", "1.5"])
+def test_a_weight_decay_out_of_range_is_refused_at_parsing(value, capsys):
+    from training.train_draft import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--device", "cpu", "--weight-decay", value])
+    assert e.value.code == 2 and f"--weight-decay {float(value)}" in capsys.readouterr().err

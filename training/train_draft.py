@@ -101,6 +101,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--lr", type=float, default=5e-3, help="peak learning rate (the CPU default's; "
                     "a long GPU run wants ~1e-4 to 5e-4)")
+    ap.add_argument("--weight-decay", type=float, default=0.0,
+                    help="AdamW's decoupled weight decay on the head's matrices (not its norms); 0: none")
     ap.add_argument("--grad-accum", type=int, default=4)
     ap.add_argument("--batch-tokens", type=int, default=None,
                     help="batch conversations (right-padded, similar lengths) into forwards of up to this many "
@@ -155,6 +157,8 @@ def parse_args(argv=None):
             ap.error(f"--data {e}")
     if args.regen_samples < 1:
         ap.error(f"--regen-samples {args.regen_samples}: at least 1 (the one response at --temperature)")
+    if not 0.0 <= args.weight_decay < 1.0:
+        ap.error(f"--weight-decay {args.weight_decay}: use a value in [0, 1) (e.g. 0.01-0.1; 0 turns it off)")
     if args.regen_samples > 1 and args.sample_temperature <= 0:
         ap.error(f"--sample-temperature {args.sample_temperature}: the extra responses of --regen-samples "
                  f"{args.regen_samples} must be sampled (> 0), or they repeat the first one")
@@ -400,6 +404,7 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
               "for export and estimates); the schedule is fitted to it if the planned epochs do not fit")
     tcfg = TrainConfig(ttt_steps=args.ttt_steps, lr=args.lr, epochs=args.epochs, max_steps=args.max_steps,
                        grad_accum=args.grad_accum, max_tokens=args.max_tokens, seed=args.seed,
+                       weight_decay=args.weight_decay,
                        batch_tokens=args.batch_tokens, profile_steps=args.profile_steps,
                        max_seconds=max_seconds,
                        bf16=device.type == "cuda" and args.precision == "bf16")

@@ -341,8 +341,12 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     params = [p for p in head.parameters() if p.requires_grad]
+    groups = params
+    if cfg.weight_decay > 0:  # decoupled decay on the matrices only, as usual: norms' gains keep their scale
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     # fused on CUDA: one kernel over all parameters instead of a dozen foreach passes
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
     lm_rows = target_lm_head.to(device).float()[head.target_logits_index()]
     if cfg.bf16 and device.type == "cuda":  # what target_logits multiplies with under autocast: cast once
         lm_rows = lm_rows.to(torch.bfloat16)
