@@ -1,8 +1,8 @@
 #!/bin/bash
 # Starts the GPU session's background work detached (a device `run` kills what it leaves in its own
 # session), then watches it. One GPU: the scale pipeline. Two GPUs (nvidia-h200-x2): the pipeline on
-# GPU 0 and, on GPU 1 (GPU1=bench|specforge|ddp,specforge|none), the benchmark suite (eval.spec_bench all,
-# the default) or the SpecForge training comparison (after the two-GPU DDP check with ddp,specforge), side by
+# GPU 0 and, on GPU 1 (GPU1=bench|specforge|ddp,specforge|ddp,bench|none), the benchmark suite (eval.spec_bench
+# all, the default) or the SpecForge training comparison (each after the two-GPU DDP check with ddp,...), side by
 # side; on one GPU, GPU1=specforge runs that comparison on the pipeline's GPU.
 #   bash tests/gpu/launch.sh SECONDS_OF_WORK
 # Needs /tmp/site (install.sh), /tmp/gpu-data and the SmolLM2 GGUF halves in /tmp/teacher.
@@ -17,14 +17,16 @@ mkdir -p /tmp/scale /tmp/specbench
 rm -f /tmp/scale/progress.log /tmp/specbench/bench.log
 GPUS=$(nvidia-smi -L | wc -l)
 GPU1=${GPU1:-bench}  # the second GPU's work: bench (eval.spec_bench), specforge (the trainer comparison),
-                     # ddp,specforge (first tests/gpu/check_ddp.py, which also uses GPU 0 for a minute), none.
+                     # ddp,specforge / ddp,bench (first tests/gpu/check_ddp.py, which also uses GPU 0 for a
+                     # minute), none.
                      # On one GPU, specforge runs beside the pipeline on that GPU after SPECFORGE_DELAY_S
                      # (its steps alternate with ours, so the pipeline's load weighs on both alike)
-case "$GPU1" in bench|specforge|ddp,specforge|none) ;; *) echo "GPU1=$GPU1: choose bench, specforge, ddp,specforge or none"; exit 2;; esac
+case "$GPU1" in bench|specforge|ddp,specforge|ddp,bench|none) ;;
+  *) echo "GPU1=$GPU1: choose bench, specforge, ddp,specforge, ddp,bench or none"; exit 2;; esac
+case "$GPU1" in ddp,*) [ "$GPUS" -lt 2 ] && { echo "GPU1=$GPU1 needs two GPUs"; exit 2; };; esac
 SIDE=""  # the GPU of the SpecForge comparison
 if [ "$GPU1" = specforge ] || [ "$GPU1" = ddp,specforge ]; then
   SIDE=$(( GPUS >= 2 ? 1 : 0 ))
-  [ "$GPUS" -lt 2 ] && [ "$GPU1" = ddp,specforge ] && { echo "GPU1=ddp,specforge needs two GPUs"; exit 2; }
   export PIPE_SKIP="${PIPE_SKIP:+$PIPE_SKIP,}specforge"  # the pipeline's own step would run it a second time
 fi
 PIPE_DEADLINE=$(( $(date +%s) + BUDGET )) CUDA_VISIBLE_DEVICES=0 \
@@ -37,11 +39,15 @@ if [ -n "$SIDE" ]; then
   PIPE_DEADLINE=$(( $(date +%s) + BUDGET )) setsid nohup bash -c \
     "sleep ${SPECFORGE_DELAY_S:-0}; $DDP CUDA_VISIBLE_DEVICES=$SIDE python tests/gpu/scale_pipeline.py specforge" \
     > /tmp/scale/specforge.log 2>&1 < /dev/null &
-elif [ "$GPUS" -ge 2 ] && [ "$GPU1" = bench ]; then
+elif [ "$GPUS" -ge 2 ] && { [ "$GPU1" = bench ] || [ "$GPU1" = ddp,bench ]; }; then
   # BENCH_STATE: an earlier run's state.json (e.g. docs/bench/state-*.json) whose arms are kept, not re-run
   [ -n "$BENCH_STATE" ] && [ ! -f /tmp/specbench/state.json ] && cp "$BENCH_STATE" /tmp/specbench/state.json
-  CUDA_VISIBLE_DEVICES=1 SPEC_BENCH_WORK=/tmp/specbench setsid nohup bash -c \
-    "python -m eval.spec_bench all --out /tmp/specbench/benchmarks.md --port 31177 --deadline-s $(( BUDGET - 250 )) ${BENCH_ARGS:-}; echo \"[bench] EXIT \$?\"" \
+  DDP=""
+  [ "$GPU1" = ddp,bench ] && { sleep 5; DDP="OUT=/tmp/scale/results python tests/gpu/check_ddp.py > /tmp/scale/ddp.log 2>&1; "; }
+  # the benchmark starts no arm later than 250 s before the pipeline's deadline (after the DDP check, if any)
+  END=$(( $(date +%s) + BUDGET - 250 ))
+  SPEC_BENCH_WORK=/tmp/specbench setsid nohup bash -c \
+    "$DDP export CUDA_VISIBLE_DEVICES=1; python -m eval.spec_bench all --out /tmp/specbench/benchmarks.md --port 31177 --deadline-s \$(( $END - \$(date +%s) )) ${BENCH_ARGS:-}; echo \"[bench] EXIT \$?\"" \
     > /tmp/specbench/bench.log 2>&1 < /dev/null &
 fi
 sleep 3
