@@ -179,9 +179,11 @@ def test_plugin_hooks_the_target_load_only_for_a_feature_server(tmp_path):
         assert f"HOOKED {hooked}" in p.stdout, p.stderr[-2000:]
 
 
-def test_train_draft_with_only_the_target_weights_it_needs(tmp_path, capsys):
+@pytest.mark.parametrize("fmt", ["mla", "mha"])
+def test_train_draft_with_only_the_target_weights_it_needs(tmp_path, capsys, fmt):
     """A target too large for this process: its servers regenerate and capture, the trainer reads the embedding,
-    lm_head, final norm and one layer's attention from its safetensors, and exports a head."""
+    lm_head, final norm and one layer's attention from its safetensors, and exports a head. An MLA head starts
+    from that layer whole; an MHA head takes its MLP and norms, and its attention is fitted to the layer's."""
     from safetensors.torch import load_file
 
     from training.train_draft import main, parse_args
@@ -209,7 +211,7 @@ def test_train_draft_with_only_the_target_weights_it_needs(tmp_path, capsys):
     url = f"http://127.0.0.1:{srv.server_port}"
     try:
         rc = main(["--target", target_dir, "--target-weights-only", "--regen-server", url, "--features-server", url,
-                   "--features-dir", str(feats), "--data", f"messages:{data}", "--draft-format", "mla",
+                   "--features-dir", str(feats), "--data", f"messages:{data}", "--draft-format", fmt,
                    "--work", str(tmp_path / "work"), "--out", str(tmp_path / "head"), "--eval-data", str(gsm),
                    "--eval-prompts", "1", "--max-new-tokens", "8", "--epochs", "1", "--draft-vocab-size", "128",
                    "--ttt-steps", "2", "--aux-layers", "1,3,4", "--device", "cpu"])
@@ -220,8 +222,15 @@ def test_train_draft_with_only_the_target_weights_it_needs(tmp_path, capsys):
     assert report["acceptance"]["trained"] is None and report["train_conversations"] > 0
     out = capsys.readouterr().out
     assert "target weights read: 15 tensors" in out  # embedding, lm_head, norm, layer 5's attention, MLP, norms
-    assert ("self_attn, mlp, input_layernorm, hidden_norm, post_attention_layernorm initialised from target "
-            "layer 5") in out
+    if fmt == "mla":
+        assert ("self_attn, mlp, input_layernorm, hidden_norm, post_attention_layernorm initialised from target "
+                "layer 5") in out
+        assert report["attention_fit"] == {}
+    else:
+        assert "mlp, input_layernorm, hidden_norm, post_attention_layernorm initialised from target layer 5" in out
+        fit = report["attention_fit"]
+        assert fit["steps"] == 300 and fit["layer"] == 5 and fit["relative_error_end"] < fit["relative_error_start"]
+        assert "attention fitted to target layer 5's attention block (300 steps" in out
     assert "fc.weight" in load_file(str(tmp_path / "head" / "model.safetensors"))
 
 

@@ -556,3 +556,77 @@ def test_a_weight_decay_out_of_range_is_refused_at_parsing(value, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["--device", "cpu", "--weight-decay", value])
     assert e.value.code == 2 and f"--weight-decay {float(value)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_target_attention_is_the_attention_block_of_the_layer(kind, tmp_path):
+    """What the head's attention is fitted to: the layer's output is its input plus this block plus the MLP
+    of their sum (checked against the target's own forward, for MHA and MLA layers)."""
+    from training.trainer import TargetAttention
+
+    cfg = (tiny.llama_config(num_layers=3, hidden=64, heads=4, kv_heads=2, vocab=300) if kind == "llama" else
+           tiny.deepseek_v3_config(num_layers=3, moe_layers=1, hidden=64, heads=4, vocab=300, q_lora_rank=32,
+                                   kv_lora_rank=32, qk_nope=16, qk_rope=8, v_head=16))
+    target = tiny.build_target(cfg, seed=1)
+    ids = torch.randint(3, 300, (1, 17))
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+        blk = target.model.layers[1]
+        h = hs[1][0]
+        a = TargetAttention(target, 1, torch.device("cpu"))(h)
+        out = h + a + blk.mlp(blk.post_attention_layernorm(h + a))
+    assert torch.allclose(out, hs[2][0], atol=1e-5, rtol=1e-4)
+    # causal: a later token does not change earlier outputs
+    h2 = h.clone()
+    h2[-1] += 1.0
+    assert torch.allclose(TargetAttention(target, 1, torch.device("cpu"))(h2)[:-1], a[:-1], atol=1e-6)
+    # a target read with --target-weights-only (the layer's weights, the rest on the meta device) gives the same
+    from sglang_ext.core.targets import load_target_weights
+
+    target.save_pretrained(tmp_path / "t")
+    light = load_target_weights(str(tmp_path / "t"), layer=1)
+    assert torch.allclose(TargetAttention(light, 1, torch.device("cpu"))(h), a, atol=1e-6)
+
+
+def test_an_mha_head_under_an_mla_target_fits_its_attention_to_the_layer():
+    """An MHA head cannot take an MLA layer's weights; fit_attention_to_target regresses its attention on the
+    layer's attention block over real feature records, and moves nothing else."""
+    from training.features import FeatureExtractor
+    from training.trainer import fit_attention_to_target, init_layer_from_target
+
+    tok = tiny.train_tokenizer(300)
+    cfg = tiny.deepseek_v3_config(num_layers=4, moe_layers=0, hidden=64, heads=4, vocab=len(tok), q_lora_rank=32,
+                                  kv_lora_rank=32, qk_nope=16, qk_rope=8, v_head=16)
+    target = tiny.build_target(cfg, seed=0)
+    aux = [0, 1, 2]
+    ex = FeatureExtractor(target, tok, aux, dtype=torch.float32)
+    from training import data as D
+
+    convs = [D.Conversation(str(i), [{"role": "user", "content": f"what is {i} and {i * 7} apples"},
+                                     {"role": "assistant", "content": f"the total number is {i * 8} apples each"}])
+             for i in range(12)]
+    records = [ex(c) for c in convs]
+    torch.manual_seed(0)
+    head = Eagle3Head(head_config_for(target.config, "mha", aux))
+    assert "self_attn" not in init_layer_from_target(head, target, 3)
+    others = {k: v.clone() for k, v in head.state_dict().items() if "self_attn" not in k}
+    fit = fit_attention_to_target(head, target, 3, records, steps=150, lr=3e-3)
+    assert fit["relative_error_end"] < 0.5 * fit["relative_error_start"], fit
+    assert all(torch.equal(v, head.state_dict()[k]) for k, v in others.items())
+
+
+def test_fit_attention_steps_only_where_the_attention_was_not_taken(capsys):
+    from training.train_draft import FIT_ATTENTION_AUTO_STEPS, fit_attention_steps, parse_args
+
+    mlp_only = ["mlp", "input_layernorm", "hidden_norm", "post_attention_layernorm"]
+    assert fit_attention_steps("auto", mlp_only, 27, [1, 14, 26], 30) == FIT_ATTENTION_AUTO_STEPS
+    assert fit_attention_steps("50", mlp_only, 27, [1, 14, 26], 30) == 50
+    assert fit_attention_steps("auto", ["self_attn", *mlp_only], 27, [1, 14, 26], 30) == 0  # copied: nothing to fit
+    assert fit_attention_steps("auto", [], 27, [1, 14, 26], 30) == 0  # nothing of the layer taken
+    assert fit_attention_steps("auto", mlp_only, 20, [1, 14, 26], 30) == 0  # its input is not an aux state
+    assert fit_attention_steps("auto", mlp_only, None, [1, 14, 26], 30) == 0  # --init-layer none
+    assert fit_attention_steps("0", mlp_only, 27, [1, 14, 26], 30) == 0
+    for bad in ("-3", "many"):
+        with pytest.raises(SystemExit):
+            parse_args(["--fit-attention-steps", bad])
+        assert f"--fit-attention-steps {bad}: a number of steps >= 0 or auto" in capsys.readouterr().err

@@ -32,6 +32,7 @@ from training.trainer import (
     TrainConfig,
     draft_vocabulary,
     evaluate,
+    fit_attention_to_target,
     init_head_from_target,
     init_layer_from_target,
     train,
@@ -59,6 +60,10 @@ def parse_args(argv=None):
                     help="start the head's decoder layer from target layer N when the head has that layer's "
                          "layout (MHA under a Llama-style target, MLA under a DeepSeek one, dense MLP); auto: the "
                          "layer after the last aux layer; none: random")
+    ap.add_argument("--fit-attention-steps", default="auto", metavar="N|auto",
+                    help="when the head's attention cannot take the init layer's weights (an MHA head under an MLA "
+                         "target), first fit it for N steps to that layer's attention block on the training features "
+                         f"(training.trainer.fit_attention_to_target); auto: {FIT_ATTENTION_AUTO_STEPS}; 0: leave it random")
     ap.add_argument("--head-override", action="append", default=[], metavar="FIELD=JSON",
                     help="override a head config field derived from the target, e.g. num_attention_heads=16, "
                          "q_lora_rank=null (an MLA head without q_lora_rank serves only with this plugin: upstream "
@@ -159,6 +164,10 @@ def parse_args(argv=None):
         ap.error(f"--regen-samples {args.regen_samples}: at least 1 (the one response at --temperature)")
     if not 0.0 <= args.weight_decay < 1.0:
         ap.error(f"--weight-decay {args.weight_decay}: use a value in [0, 1) (e.g. 0.01-0.1; 0 turns it off)")
+    args.fit_attention_steps = str(args.fit_attention_steps)  # a YAML config gives an int
+    if args.fit_attention_steps != "auto" and not args.fit_attention_steps.isdigit():
+        ap.error(f"--fit-attention-steps {args.fit_attention_steps}: a number of steps >= 0 or auto "
+                 f"(auto: {FIT_ATTENTION_AUTO_STEPS}; 0: leave the attention random)")
     if args.regen_samples > 1 and args.sample_temperature <= 0:
         ap.error(f"--sample-temperature {args.sample_temperature}: the extra responses of --regen-samples "
                  f"{args.regen_samples} must be sampled (> 0), or they repeat the first one")
@@ -180,6 +189,19 @@ def gsm8k_prompts(tok, path: str, n: int) -> list[list[int]]:
 def aux_layer_ids(args, n_layers: int) -> list[int]:
     """--aux-layers, else the convention's default for the target's depth."""
     return [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else default_output_ids(n_layers)
+
+
+FIT_ATTENTION_AUTO_STEPS = 300
+
+
+def fit_attention_steps(value: str, parts: list[str], layer: int | None, aux_ids: list[int], n_layers: int) -> int:
+    """--fit-attention-steps: how many fitting steps the head's attention gets (0: none). Only where the init
+    layer's MLP or norms were taken but its attention was not, and the layer reads the last aux state (the layer
+    after the last aux layer), which is the fitting's input."""
+    steps = FIT_ATTENTION_AUTO_STEPS if value == "auto" else int(value)  # parse_args checked it
+    if layer is None or not parts or "self_attn" in parts or (aux_ids[-1] + 1) % n_layers != layer % n_layers:
+        return 0
+    return steps
 
 
 def init_layer_index(init_layer: str, aux_ids: list[int], n_layers: int) -> int | None:
@@ -390,12 +412,21 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
     if dv < vocab:
         head.set_vocab_mapping(hot)
     init_head_from_target(head, target)
+    layer, parts, attention_fit = None, [], {}
     if args.init_layer != "none":
         layer = init_layer_index(args.init_layer, aux_ids, n_layers)
         parts = init_layer_from_target(head, target, layer)
         print(f"[train-draft] decoder layer: {', '.join(parts) if parts else 'nothing'} initialised from target "
               f"layer {layer}" + ("" if {"self_attn", "mlp"} <= set(parts) else "; the rest random (shapes differ)"))
     head = head.to(device)
+    fit_steps = fit_attention_steps(args.fit_attention_steps, parts, layer, aux_ids, n_layers)
+    if fit_steps:
+        t = time.time()
+        attention_fit = fit_attention_to_target(head, target, layer, records, fit_steps, seed=args.seed)
+        attention_fit["seconds"] = round(time.time() - t, 1)
+        print(f"[train-draft] attention fitted to target layer {layer}'s attention block ({fit_steps} steps, "
+              f"{attention_fit['seconds']:.0f}s): relative error {attention_fit['relative_error_start']:.3f} -> "
+              f"{attention_fit['relative_error_end']:.3f}")
     lm_head = target.get_output_embeddings().weight.detach()
     max_seconds = train_seconds_limit(args, time.time() - t0)
     if args.max_train_minutes is None and max_seconds is not None:
@@ -442,7 +473,7 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
     result = {"target": args.target, "draft_format": args.draft_format, "aux_output_ids": aux_ids,
               "draft_vocab_size": dv, "train_conversations": len(records), "train_tokens": n_tok,
               "train_seconds": train_s, "train_tokens_per_s": tokens_per_s,
-              "final_metrics": metrics, "held_out_accuracy_per_step": held_acc,
+              "final_metrics": metrics, "held_out_accuracy_per_step": held_acc, "attention_fit": attention_fit,
               "acceptance": {"eval_data": eval_path, "prompts": len(prompts), "chain_steps": args.eval_steps,
                              "max_new_tokens": args.eval_max_new_tokens,
                              "trained": est, "untrained": untrained},

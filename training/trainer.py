@@ -119,6 +119,76 @@ def init_layer_from_target(head: Eagle3Head, target, layer: int) -> list[str]:
     return copied
 
 
+class TargetAttention:
+    """The output of one target decoder layer's attention block, `self_attn(input_layernorm(h))`, for a
+    sequence of that layer's input states `h` [T, hidden]: what the head's attention is fitted to when its
+    layout cannot take the layer's weights (an MHA head under an MLA target). Works for any transformers
+    decoder whose layers have `input_layernorm` and `self_attn(hidden_states, position_embeddings,
+    attention_mask)` and whose model has `rotary_emb` (Llama, Qwen, DeepseekV3, ...). Copies the layer's
+    norm and attention in fp32 to `device`, and builds the rotary embedding there from the config (a
+    `load_target_weights` target has only those weights; its rotary buffers are on the meta device)."""
+
+    def __init__(self, target, layer: int, device):
+        import copy
+
+        model = target.model
+        block = model.layers[layer]
+        self.norm = copy.deepcopy(block.input_layernorm).to(device=device, dtype=torch.float32).eval()
+        self.attn = copy.deepcopy(block.self_attn).to(device=device, dtype=torch.float32).eval()
+        self.rotary = type(model.rotary_emb)(config=model.rotary_emb.config, device=device).eval()
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        t = h.shape[0]
+        x = self.norm(h.to(self.device, torch.float32)[None])
+        positions = torch.arange(t, device=self.device)[None]
+        # an explicit additive causal mask: eager attention would otherwise attend to later positions
+        mask = torch.full((t, t), torch.finfo(torch.float32).min, device=self.device).triu(1)[None, None]
+        out = self.attn(hidden_states=x, position_embeddings=self.rotary(x, positions), attention_mask=mask)[0]
+        return out[0]
+
+
+def fit_attention_to_target(head: Eagle3Head, target, layer: int, records: list[Features], steps: int,
+                            lr: float = 2e-3, max_tokens: int = 512, seed: int = 0, shift: int = 1) -> dict:
+    """Start the head's attention as a regression of target layer `layer`'s attention block, for heads whose
+    attention cannot be copied from it (an MHA head under an MLA target: the latent RMSNorms between MLA's
+    low-rank factors leave no exact conversion). The head at position t reads (h_t, token t+1), h_t the
+    layer's input (the last aux state, passed through by fc after init_layer_from_target); it is fitted to
+    the block's output at position t+1, where the target reads token t+1 (EAGLE's shifted input). Adam on
+    the attention's weights only, one conversation (up to `max_tokens`) per step, on the head's device.
+    Returns the fit's relative squared error (error / target power) at the start and the end."""
+    aux_ids = head.config.aux_layer_ids or []
+    h_size = head.config.hidden_size
+    if not records or steps <= 0 or head.config.target_hidden_size != h_size:
+        return {}
+    device = next(head.parameters()).device
+    ref = TargetAttention(target, layer, device)
+    attn, blk = head.layer.self_attn, head.layer
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(attn.parameters(), lr=lr)
+    history = []
+    usable = [r for r in records if len(r.input_ids) > 2]
+    for step in range(steps):
+        r = usable[int(torch.randint(len(usable), (1,), generator=g))]
+        t = min(len(r.input_ids), max_tokens)
+        h = r.aux[:t, -h_size:].to(device, torch.float32)  # the last aux state: the fitted layer's input
+        y = ref(h)[1:] if shift else ref(h)[:-1]  # the block's output at t+1 (shift) or at t
+        ids = r.input_ids[1:t].to(device)
+        with torch.no_grad():
+            x = torch.cat([blk.input_layernorm(head.embed_tokens(ids).float()), blk.hidden_norm(h[:-1])], dim=-1)
+        positions = torch.arange(t - 1, device=device)[None]
+        pred = attn(x[None], positions, None, None)[0]
+        err = (pred - y).pow(2).sum() / y.pow(2).sum().clamp_min(1e-12)
+        opt.zero_grad(set_to_none=True)
+        err.backward()
+        opt.step()
+        history.append(float(err.detach()))
+    k = max(1, min(20, steps // 5))
+    return {"steps": steps, "relative_error_start": sum(history[:k]) / k, "relative_error_end": sum(history[-k:]) / k,
+            "aux_layer_ids": list(aux_ids), "layer": layer}
+
+
 def _truncated(f: Features, max_tokens: int) -> Features:
     if len(f.input_ids) <= max_tokens:
         return f
