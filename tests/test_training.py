@@ -613,6 +613,11 @@ def test_an_mha_head_under_an_mla_target_fits_its_attention_to_the_layer():
     fit = fit_attention_to_target(head, target, 3, records, steps=150, lr=3e-3)
     assert fit["relative_error_end"] < 0.5 * fit["relative_error_start"], fit
     assert all(torch.equal(v, head.state_dict()[k]) for k, v in others.items())
+    # a target whose layers this cannot run alone: skipped, said why, the head unchanged
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    fit = fit_attention_to_target(head, torch.nn.Linear(2, 2), 3, records, steps=5)
+    assert "cannot be run alone" in fit["skipped"]
+    assert all(torch.equal(v, head.state_dict()[k]) for k, v in before.items())
 
 
 def test_fit_attention_steps_only_where_the_attention_was_not_taken(capsys):

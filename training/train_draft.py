@@ -424,9 +424,12 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
         t = time.time()
         attention_fit = fit_attention_to_target(head, target, layer, records, fit_steps, seed=args.seed)
         attention_fit["seconds"] = round(time.time() - t, 1)
-        print(f"[train-draft] attention fitted to target layer {layer}'s attention block ({fit_steps} steps, "
-              f"{attention_fit['seconds']:.0f}s): relative error {attention_fit['relative_error_start']:.3f} -> "
-              f"{attention_fit['relative_error_end']:.3f}")
+        if "skipped" in attention_fit:
+            print(f"[train-draft] attention not fitted: {attention_fit['skipped']}")
+        else:
+            print(f"[train-draft] attention fitted to target layer {layer}'s attention block ({fit_steps} steps, "
+                  f"{attention_fit['seconds']:.0f}s): relative error {attention_fit['relative_error_start']:.3f} -> "
+                  f"{attention_fit['relative_error_end']:.3f}")
     lm_head = target.get_output_embeddings().weight.detach()
     max_seconds = train_seconds_limit(args, time.time() - t0)
     if args.max_train_minutes is None and max_seconds is not None:

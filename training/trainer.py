@@ -157,18 +157,24 @@ def fit_attention_to_target(head: Eagle3Head, target, layer: int, records: list[
     layer's input (the last aux state, passed through by fc after init_layer_from_target); it is fitted to
     the block's output at position t+1, where the target reads token t+1 (EAGLE's shifted input). Adam on
     the attention's weights only, one conversation (up to `max_tokens`) per step, on the head's device.
-    Returns the fit's relative squared error (error / target power) at the start and the end."""
+    Returns the fit's relative squared error (error / target power) at the start and the end, or why it was
+    skipped ({"skipped": reason}; the attention then stays as it was)."""
     aux_ids = head.config.aux_layer_ids or []
     h_size = head.config.hidden_size
     if not records or steps <= 0 or head.config.target_hidden_size != h_size:
         return {}
+    usable = [r for r in records if len(r.input_ids) > 2]
+    if not usable:
+        return {"skipped": "no training conversation of more than 2 tokens"}
     device = next(head.parameters()).device
-    ref = TargetAttention(target, layer, device)
+    try:
+        ref = TargetAttention(target, layer, device)
+    except (AttributeError, TypeError) as e:  # a decoder this class does not know: train from the random start
+        return {"skipped": f"target layer {layer}'s attention block cannot be run alone ({e})"}
     attn, blk = head.layer.self_attn, head.layer
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(attn.parameters(), lr=lr)
     history = []
-    usable = [r for r in records if len(r.input_ids) > 2]
     for step in range(steps):
         r = usable[int(torch.randint(len(usable), (1,), generator=g))]
         t = min(len(r.input_ids), max_tokens)
