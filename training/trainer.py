@@ -161,8 +161,10 @@ def fit_attention_to_target(head: Eagle3Head, target, layer: int, records: list[
     skipped ({"skipped": reason}; the attention then stays as it was)."""
     aux_ids = head.config.aux_layer_ids or []
     h_size = head.config.hidden_size
-    if not records or steps <= 0 or head.config.target_hidden_size != h_size:
-        return {}
+    if steps <= 0:
+        return {"skipped": f"{steps} steps"}
+    if head.config.target_hidden_size != h_size:
+        return {"skipped": f"the head's hidden size {h_size} is not the target's {head.config.target_hidden_size}"}
     usable = [r for r in records if len(r.input_ids) > 2]
     if not usable:
         return {"skipped": "no training conversation of more than 2 tokens"}
@@ -182,7 +184,7 @@ def fit_attention_to_target(head: Eagle3Head, target, layer: int, records: list[
         y = ref(h)[1:] if shift else ref(h)[:-1]  # the block's output at t+1 (shift) or at t
         ids = r.input_ids[1:t].to(device)
         with torch.no_grad():
-            x = torch.cat([blk.input_layernorm(head.embed_tokens(ids).float()), blk.hidden_norm(h[:-1])], dim=-1)
+            x = blk.attention_input(head.embed_tokens(ids).float(), h[:-1])
         positions = torch.arange(t - 1, device=device)[None]
         pred = attn(x[None], positions, None, None)[0]
         err = (pred - y).pow(2).sum() / y.pow(2).sum().clamp_min(1e-12)

@@ -270,8 +270,12 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def attention_input(self, embeds, hidden):
+        """What the attention reads: [input_layernorm(embeds), hidden_norm(hidden)], 2 * hidden wide."""
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
     def forward(self, embeds, hidden, positions, cache, mask):
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        x = self.attention_input(embeds, hidden)
         residual = self.self_attn(x, positions, cache, mask) + hidden
         return self.mlp(self.post_attention_layernorm(residual)) + residual
 
