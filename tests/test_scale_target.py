@@ -95,6 +95,11 @@ def test_small_cpu_variant_end_to_end_and_deterministic(tmp_path):
     assert all(v.dtype == torch.bfloat16 for k, v in w1.items() if v.is_floating_point())
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)  # same seed, same weights
     assert r1["kl_last"] == r2["kl_last"] and r1["steps"] == 3
+    # the report says what the target was distilled on (the same recipe on other data is another target)
+    d = r1["data"]
+    assert d["spec"] == "sharegpt:pkg:12" and 1 <= d["conversations"] <= 12
+    assert d["train_tokens"] >= 3 * 64 and d["heldout_tokens"] == 2 * 64
+    assert d["epochs"] == round(3 / (d["train_tokens"] // 64), 2)
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     assert model.config.kv_lora_rank == 64
     ids = torch.tensor([[1, 2, 3, 4]])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 
 import torch
@@ -62,10 +63,11 @@ def main(argv=None) -> int:
                                       else 20, lr=0.0 if not arm.startswith("fit") else 2e-3,
                                       shift=0 if arm == "fit0" else 1)
         fit_s = time.time() - t
+        print(json.dumps({"arm": arm, "fit": fit, "fit_s": round(fit_s, 1)}), flush=True)
         before = evaluate(head, held, lm, 4)
         t = time.time()
         train(head, train_recs, lm, TrainConfig(ttt_steps=4, lr=5e-3, max_steps=args.steps, batch_tokens=2048, seed=0),
-              checkpoint_dir=f"/tmp/exp-attention-init/ck-{arm}")
+              checkpoint_dir=tempfile.mkdtemp(prefix=f"exp-attention-init-{arm}-"))  # never resume another run
         after = evaluate(head, held, lm, 4)
         print(json.dumps({"arm": arm, "fit": fit, "fit_s": round(fit_s, 1),
                           "held_top1_before": [round(x, 3) for x in before],

@@ -106,8 +106,10 @@ def step_build() -> None:
     report = CST.build()
     save("build.json", report)
     a = report["agreement"]
+    d = report["data"]
     say(f"build: {report['wall_s_including_process_start']:.0f}s wall; top-1 agreement {a['all_tokens']:.3f} "
-        f"(assistant {a['assistant_tokens']:.3f}) after {report['steps']} steps")
+        f"(assistant {a['assistant_tokens']:.3f}) after {report['steps']} steps; distilled on {d['conversations']} "
+        f"conversations ({d['epochs']} epochs)")
 
 
 TRAIN_COMMON = ["--target", TARGET, "--turns", "first", "--max-new-tokens", "256", "--draft-vocab-size", "16384",

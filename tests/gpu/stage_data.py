@@ -4,7 +4,7 @@ OpenAI-style `messages` JSONL and the GSM8K test and train rows (data/); SmolLM2
 (teacher/: one carry holds at most 64 MiB; `cat` them on the GPU machine); the `accelerate` wheel that
 transformers needs to read a GGUF (wheels/).
 
-    .venv/bin/python tests/gpu/stage_data.py [N_SHAREGPT]     (default 4000)
+    .venv/bin/python tests/gpu/stage_data.py [N_SHAREGPT]     (default: the scale target's 4000)
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from training.data import LoadReport, load_source  # noqa: E402
+from training.scale_target import GPU_CONVERSATIONS as SCALE_TARGET_CONVERSATIONS  # noqa: E402
 
 
 def main() -> int:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 4000
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else SCALE_TARGET_CONVERSATIONS
     out = os.path.join(REPO, ".gpu-state", "data")
     os.makedirs(out, exist_ok=True)
     report = LoadReport()
@@ -52,6 +53,10 @@ def main() -> int:
                     "-d", os.path.join(REPO, ".gpu-state", "wheels")], check=True)
     print(f"{len(convs)} ShareGPT conversations ({report.malformed} malformed skipped) -> {path} "
           f"({os.path.getsize(path) / 2 ** 20:.1f} MiB); GSM8K test: {os.path.exists(gsm)}")
+    if len(convs) < SCALE_TARGET_CONVERSATIONS:  # the pipeline's build distils on every staged conversation
+        print(f"warning: the scale target's GPU default distils on {SCALE_TARGET_CONVERSATIONS} conversations; a "
+              f"build on these {len(convs)} is another target (more epochs, other held-out tokens), not comparable "
+              f"with runs on the default. Stage {SCALE_TARGET_CONVERSATIONS} (no argument) unless that is the point.")
     return 0
 
 
