@@ -81,12 +81,18 @@ def _build(tmp_path, name):
     return st.build(ns, log=lambda *_: None)
 
 
-def test_small_cpu_variant_end_to_end_and_deterministic(tmp_path):
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """One small build shared by the tests below (a build takes about a minute on CI's two cores)."""
+    root = tmp_path_factory.mktemp("scale")
+    return root / "a", _build(root, "a")
+
+
+def test_small_cpu_variant_end_to_end_and_deterministic(built, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    r1 = _build(tmp_path, "a")
+    out, r1 = built
     r2 = _build(tmp_path, "b")
-    out = tmp_path / "a"
     cfg = json.load(open(out / "config.json"))
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["q_lora_rank"] == 64
     assert cfg["moe_layer_freq"] == 1 and cfg["first_k_dense_replace"] == 1  # fields SGLang reads
@@ -106,13 +112,15 @@ def test_small_cpu_variant_end_to_end_and_deterministic(tmp_path):
     assert torch.isfinite(model(ids).logits).all()
 
 
-def test_widening_the_kv_latent_keeps_the_function(tmp_path):
+def test_widening_the_kv_latent_keeps_the_function(built, tmp_path):
     """A target built with a latent SGLang's Triton MLA decode cannot serve (the old 256 + rope 64) is
     rewritten with a repeated latent: same logits, a servable width, and the CLI refuses to build one."""
+    import shutil
+
     from transformers import AutoModelForCausalLM
 
-    _build(tmp_path, "a")
     out = str(tmp_path / "a")
+    shutil.copytree(built[0], out)  # widened in place: a copy, so the shared build stays as built
     ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
     before = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
     assert st.widen_kv_latent(out, 128) == 64
