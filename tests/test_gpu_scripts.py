@@ -204,3 +204,119 @@ def test_pipeline_refuses_an_unknown_step_to_skip_and_names_the_choices():
                        capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
     assert "unknown step(s) ['fp23']" in p.stderr and "fp32, mla" in p.stderr
+
+
+BUILD_CHECK = r"""
+import json, os, subprocess, sys, time
+sys.path.insert(0, "tests/gpu")
+import scale_pipeline as SP
+
+tmp = sys.argv[1]
+out = {}
+# per-format minutes: TRAIN_MINUTES_MLA overrides TRAIN_MINUTES for the MLA head alone
+SP.DEADLINE = time.time() + 3600
+os.environ["TRAIN_MINUTES"], os.environ["TRAIN_MINUTES_MLA"] = "6", "3.5"
+mins = lambda fmt: float(SP.trainer_args(fmt, "/tmp/w", None)[SP.trainer_args(fmt, "/tmp/w", None).index(
+    "--max-train-minutes") + 1])
+out["minutes"] = [mins("mha"), mins("mla")]
+out["order"] = [SP.train_order()]
+os.environ["MLA_TRAIN_GPU"] = "1"
+out["order"].append(SP.train_order())
+del os.environ["MLA_TRAIN_GPU"]
+
+# a build: a target with a weight file larger than a part, the regenerated data and the reference outputs
+root = os.path.join(tmp, "scale")
+for p in SP.PACKED:
+    path = os.path.join(root, p)
+    if p == "target":
+        os.makedirs(path)
+        open(os.path.join(path, "model.safetensors"), "wb").write(os.urandom(5000))
+        open(os.path.join(path, "scale_target_report.json"), "w").write('{"seed": 0}')
+    else:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").write(p * 10)
+os.remove(os.path.join(root, "train-mha/regenerated.complete"))
+try:  # before the regeneration is complete: refused, nothing written
+    SP.pack_build(root, os.path.join(tmp, "parts0"))
+except SystemExit as e:
+    out["incomplete"] = [str(e), os.path.exists(os.path.join(tmp, "parts0", "SHA256SUMS"))]
+open(os.path.join(root, "train-mha/regenerated.complete"), "w").write("done")
+SP.PART_BYTES = 1000
+parts = os.path.join(tmp, "parts")
+names = SP.pack_build(root, parts)
+out["parts"] = [len(names), max(os.path.getsize(os.path.join(parts, n)) for n in names),
+                SP.pack_build(root, parts) == names]
+restored = os.path.join(tmp, "restored")
+SP.unpack_build(parts, restored)
+same = lambda p: open(os.path.join(root, p), "rb").read() == open(os.path.join(restored, p), "rb").read()
+out["same"] = all(same(p) for p in SP.PACKED if p != "target") and same("target/model.safetensors") and same(
+    "target/scale_target_report.json")
+errors = {}
+try:  # a second restore over the first
+    SP.unpack_build(parts, restored)
+except SystemExit as e:
+    errors["exists"] = str(e)
+data = bytearray(open(os.path.join(parts, names[1]), "rb").read())
+data[10] ^= 1
+open(os.path.join(parts, names[1]), "wb").write(bytes(data))
+try:
+    SP.unpack_build(parts, os.path.join(tmp, "r2"))
+except SystemExit as e:
+    errors["corrupt"] = str(e)
+os.remove(os.path.join(parts, names[2]))
+try:
+    SP.unpack_build(parts, os.path.join(tmp, "r3"))
+except SystemExit as e:
+    errors["absent"] = str(e)
+out["errors"] = errors
+out["partial_roots"] = [os.path.exists(os.path.join(tmp, r)) for r in ("r2", "r3")]
+out["names"] = names[1:3]
+
+# sequential training: the MLA trainer starts only once the MHA trainer's log says its loop ended
+SP.ROOT, SP.CHECK_WORK = root, os.path.join(tmp, "servecheck")
+os.makedirs(os.path.join(root, "train-mha", "features"), exist_ok=True)
+open(os.path.join(root, "train-mha", "features", "manifest.json"), "w").write("{}")
+log = os.path.join(root, "train-mha.log")
+open(log, "w").write("[train-draft] features: 10 train\n")
+mha = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(1.5); "
+                        f"open({log!r}, 'a').write('[train-draft] trained 5 steps in 1s\\n'); time.sleep(6)"])
+started = []
+SP.start_mla_trainer = lambda: started.append(time.time()) or "mla-proc"
+t0 = time.time()
+trainers = {"mha": mha}
+SP.step_sequential_mla(trainers)
+out["sequential"] = [trainers.get("mla"), round(started[0] - t0, 1) if started else None, mha.poll() is None]
+mha.wait()
+print(json.dumps(out))
+"""
+
+
+def test_pipeline_build_travels_between_sessions_and_heads_train_one_after_the_other(tmp_path):
+    """A default build (~900 s of an H200: build, server, regeneration) must survive its machine, split into parts a
+    device call can return and checked when restored; and on one GPU the MLA trainer waits for the MHA trainer's
+    loop (session 16: two trainers sharing an H200 each got under half its throughput)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLA_TRAIN_GPU", "TRAIN_ORDER", "TRAIN_MINUTES")}
+    p = subprocess.run([sys.executable, "-c", BUILD_CHECK, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["minutes"] == [6.0, 3.5]
+    assert r["order"] == ["sequential", "concurrent"]
+    assert "regenerated.complete" in r["incomplete"][0] and r["incomplete"][1] is False
+    n_parts, largest, reused = r["parts"]
+    assert n_parts >= 4 and largest <= 1000 and reused
+    assert r["same"] is True
+    e = r["errors"]
+    assert "already holds a build" in e["exists"]
+    assert r["names"][0] in e["corrupt"] and "SHA256SUMS" in e["corrupt"]
+    assert r["names"][1] in e["absent"] and "carry them" in e["absent"]
+    assert r["partial_roots"] == [False, False]  # nothing extracted from a damaged or incomplete set
+    mla, after_s, mha_still_running = r["sequential"]
+    assert mla == "mla-proc" and after_s >= 1.4 and mha_still_running  # started on "trained", before the export ends
+
+
+def test_pipeline_refuses_an_unknown_training_order():
+    env = dict(os.environ, TRAIN_ORDER="parallel")
+    p = subprocess.run([sys.executable, "tests/gpu/scale_pipeline.py", "watch", "0"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "TRAIN_ORDER=parallel: choose sequential or concurrent" in p.stderr

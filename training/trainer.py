@@ -406,9 +406,11 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     would, after writing a checkpoint). Returns the final metrics."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     device = next(head.parameters()).device
+    entered = time.monotonic()  # what precedes the first step (session 16, two trainers on one H200: ~140 s)
     records = resident_on_device(records, device)
     if records and records[0].aux.is_cuda:
-        log(f"hidden states of {len(records)} conversations resident on {device}")
+        log(f"hidden states of {len(records)} conversations resident on {device} "
+            f"({time.monotonic() - entered:.1f}s)")
     dist = None
     if world > 1:
         # data parallel by hand: the TTT unroll calls the head several times per backward, which
@@ -453,6 +455,7 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
             dist.broadcast(p.data, src=0)
     metrics = {}
     t_start, tokens_trained = clock(), 0
+    seconds_before_first_step = time.monotonic() - entered
     bar = tqdm(total=total, initial=step, desc="train draft", unit="step", disable=rank != 0,
                mininterval=5)
     profiler, first_step, order_epoch = None, step, None
@@ -570,6 +573,7 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
                 (torch.cuda.max_memory_allocated(device) - steady_from[3]) / 2**30, 3)
     if profiler is not None:
         _log_profile(profiler, device, step - first_step - 2, log)
+    metrics["seconds_before_first_step"] = round(seconds_before_first_step, 1)
     metrics["ttt_attention"] = sorted(TTT_PATHS_USED)  # "fused" unless the kernel was unavailable
     return metrics
 

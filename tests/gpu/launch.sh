@@ -5,14 +5,17 @@
 # all, the default) or the SpecForge training comparison (each after the two-GPU DDP check with ddp,...), side by
 # side; on one GPU, GPU1=specforge runs that comparison on the pipeline's GPU.
 #   bash tests/gpu/launch.sh SECONDS_OF_WORK
-# Needs /tmp/site (install.sh), /tmp/gpu-data and the SmolLM2 GGUF halves in /tmp/teacher.
+# Needs /tmp/site (install.sh), /tmp/gpu-data and, unless a build was restored into /tmp/scale
+# (scale_pipeline.py unpack-build), the SmolLM2 GGUF halves in /tmp/teacher.
 set -e
 BUDGET=${1:-1450}
 export PYTHONPATH=/tmp/site:$PWD GPU_DATA=/tmp/gpu-data PYTHONUNBUFFERED=1
-if [ ! -f /tmp/teacher/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
-  cat /tmp/teacher/*.part-aa .gpu-state/teacher/*.part-ab > /tmp/teacher/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f /tmp/scale/target/scale_target_report.json ]; then  # the build needs the teacher; a restored one does not
+  if [ ! -f /tmp/teacher/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+    cat /tmp/teacher/*.part-aa .gpu-state/teacher/*.part-ab > /tmp/teacher/SmolLM2-135M-Instruct.Q4_1.gguf
+  fi
+  export TEACHER=/tmp/teacher/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
-export TEACHER=/tmp/teacher/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p /tmp/scale /tmp/specbench
 rm -f /tmp/scale/progress.log /tmp/specbench/bench.log
 GPUS=$(nvidia-smi -L | wc -l)

