@@ -251,6 +251,8 @@ SP.unpack_build(parts, restored)
 same = lambda p: open(os.path.join(root, p), "rb").read() == open(os.path.join(restored, p), "rb").read()
 out["same"] = all(same(p) for p in SP.PACKED if p != "target") and same("target/model.safetensors") and same(
     "target/scale_target_report.json")
+out["served_target"] = os.path.realpath(os.path.join(restored, "servecheck", "target")) == os.path.realpath(
+    os.path.join(restored, "target"))
 errors = {}
 try:  # a second restore over the first
     SP.unpack_build(parts, restored)
@@ -305,7 +307,7 @@ def test_pipeline_build_travels_between_sessions_and_heads_train_one_after_the_o
     assert "regenerated.complete" in r["incomplete"][0] and r["incomplete"][1] is False
     n_parts, largest, reused = r["parts"]
     assert n_parts >= 4 and largest <= 1000 and reused
-    assert r["same"] is True
+    assert r["same"] is True and r["served_target"] is True
     e = r["errors"]
     assert "already holds a build" in e["exists"]
     assert r["names"][0] in e["corrupt"] and "SHA256SUMS" in e["corrupt"]
