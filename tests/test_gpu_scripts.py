@@ -322,3 +322,25 @@ def test_pipeline_refuses_an_unknown_training_order():
     p = subprocess.run([sys.executable, "tests/gpu/scale_pipeline.py", "watch", "0"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "TRAIN_ORDER=parallel: choose sequential or concurrent" in p.stderr
+
+
+def test_pack_build_and_unpack_build_commands(tmp_path):
+    """The two commands as a session types them: pack-build K into $OUT/build, unpack-build DIR into the root."""
+    root = tmp_path / "scale"
+    for rel, data in {"target/model.safetensors": os.urandom(3000), "target/scale_target_report.json": b"{}",
+                      "train-mha/regenerated.jsonl": b'{"id": "1"}\n', "train-mha/regenerated.complete": b"done",
+                      "servecheck/state.json": b'{"prompts": []}', "results/scale_greedy.json": b"{}",
+                      "results/build.json": b"{}"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    run = lambda *a, **env: subprocess.run([sys.executable, "tests/gpu/scale_pipeline.py", *a], cwd=REPO,
+                                           env=dict(os.environ, **env), capture_output=True, text=True, timeout=300)
+    p = run("pack-build", "0", PIPE_ROOT=str(root), OUT=str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "that was the last" in p.stdout
+    assert sorted(os.listdir(tmp_path / "out" / "build")) == ["SHA256SUMS", "build.tar.gz.part-00"]
+    p = run("unpack-build", str(tmp_path / "out" / "build"), PIPE_ROOT=str(tmp_path / "restored"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (tmp_path / "restored" / "target" / "model.safetensors").read_bytes() == (
+        root / "target" / "model.safetensors").read_bytes()
+    assert (tmp_path / "restored" / "train-mha" / "regenerated.complete").exists()

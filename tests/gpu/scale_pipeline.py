@@ -59,7 +59,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
 
-ROOT = "/tmp/scale"
+ROOT = os.environ.get("PIPE_ROOT", "/tmp/scale")  # the pipeline's work; another root in tests
 TARGET = f"{ROOT}/target"
 RESULTS = f"{ROOT}/results"
 CHECK_WORK = f"{ROOT}/servecheck"
@@ -614,16 +614,17 @@ if __name__ == "__main__":
         sys.exit(run())
     if sys.argv[1:2] == ["pack-build"]:  # pack-build K: the K-th group of parts into $OUT/build
         k, out = int(sys.argv[2]), os.path.join(os.environ["OUT"], "build")
-        names = pack_build(ROOT, "/tmp/scale-build")
+        parts = f"{ROOT}-build"
+        names = pack_build(ROOT, parts)
         group = names[k * PARTS_PER_CALL: (k + 1) * PARTS_PER_CALL]
         os.makedirs(out, exist_ok=True)
         for n in group + ["SHA256SUMS"]:
-            shutil.copy(os.path.join("/tmp/scale-build", n), out)
+            shutil.copy(os.path.join(parts, n), out)
         calls = -(-len(names) // PARTS_PER_CALL)
         print(f"pack-build {k}: parts {group} of {len(names)}; "
               + (f"next: pack-build {k + 1} ({calls - k - 1} more calls)" if k + 1 < calls else "that was the last"))
         sys.exit(0)
-    if sys.argv[1:2] == ["unpack-build"]:  # unpack-build DIR: the carried parts into /tmp/scale
+    if sys.argv[1:2] == ["unpack-build"]:  # unpack-build DIR: the carried parts into ROOT (/tmp/scale)
         unpack_build(sys.argv[2], ROOT)
         print(f"unpack-build: {ROOT} restored: " + ", ".join(p for p in PACKED if os.path.exists(f"{ROOT}/{p}")))
         sys.exit(0)
