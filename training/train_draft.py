@@ -460,13 +460,12 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
           + (" -- stopped early by the time limit" if metrics.get("stopped_early") else "")
           + f"; TTT attention {'+'.join(metrics.get('ttt_attention', [])) or '-'}")
     if "steady" in metrics:  # after the warm-up steps: the rate a long run sustains, and a step's memory
-        st = metrics["steady"]
+        st, before = metrics["steady"], metrics.get("seconds_before_first_step", 0)
         print(f"[train-draft] steady: {st['tokens'] * world / max(st['seconds'], 1e-9):.0f} tokens/s over {st['steps']} "
               "steps" + (f"; a step needs {st['step_peak_above_resident_gib']:.2f} GiB above "
                          f"{st['resident_gib']:.2f} GiB resident" if "resident_gib" in st else "")
-              + f"; {metrics.get('seconds_before_first_step', 0):.0f}s before the first step, "
-              f"{train_s - metrics.get('seconds_before_first_step', 0) - st['seconds']:.0f}s in the warm-up steps and "
-              "after the last")
+              + f"; {before:.0f}s before the first step, {train_s - before - st['seconds']:.0f}s in the warm-up steps "
+              "and after the last")
 
     if rank != 0:  # every rank holds the same weights; rank 0 exports and measures
         return 0

@@ -307,9 +307,8 @@ def step_target_and_regen() -> dict:
         if need_regen:
             say("target: reference outputs and regenerated data present (restored build); no server")
             trainers["mha"] = start_trainer("mha", f"{ROOT}/train-mha", None)
-            if mla_missing and train_order() == "concurrent" and wait_for(
-                    f"{ROOT}/train-mha.log", "[train-draft] features:", trainers["mha"], max(60, left() - 700)):
-                trainers["mla"] = start_mla_trainer()
+            if mla_missing and train_order() == "concurrent":
+                start_mla_on_features(trainers)
         elif mla_missing and os.path.exists(f"{ROOT}/train-mha/features/manifest.json"):
             trainers["mla"] = start_mla_trainer()
         return trainers
@@ -384,12 +383,17 @@ def step_target_and_regen() -> dict:
     if train_order() == "sequential":  # run() starts the MLA trainer once the MHA trainer's loop has ended
         return trainers
     if "mha" in trainers:
-        ok = wait_for(f"{ROOT}/train-mha.log", "[train-draft] features:", trainers["mha"], max(60, left() - 700))
-        if ok and mla_missing:
-            trainers["mla"] = start_mla_trainer()
+        if mla_missing:
+            start_mla_on_features(trainers)
     elif mla_missing and os.path.exists(f"{ROOT}/train-mha/features/manifest.json"):
         trainers["mla"] = start_mla_trainer()
     return trainers
+
+
+def start_mla_on_features(trainers: dict) -> None:
+    """TRAIN_ORDER=concurrent: the MLA trainer starts once the running MHA trainer has written its features."""
+    if wait_for(f"{ROOT}/train-mha.log", "[train-draft] features:", trainers["mha"], max(60, left() - 700)):
+        trainers["mla"] = start_mla_trainer()
 
 
 def step_sequential_mla(trainers: dict) -> None:
