@@ -218,6 +218,7 @@ TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRA
               "--data", f"gsm8k:{DATA}/gsm8k-train.jsonl:{os.environ.get('TRAIN_GSM8K', '3000')}"]
 
 
+ARM_MIN_LEFT_S = 200  # no serving arm starts with less left (ready ~90 s, a chain arm's 200 prompts ~30 s)
 STARTED: list[subprocess.Popen] = []  # ended if the pipeline fails
 
 
@@ -225,9 +226,11 @@ def train_minutes(fmt: str, regenerates: bool) -> float:
     """TRAIN_MINUTES_<FMT> or TRAIN_MINUTES, or less where the deadline would otherwise stop the trainer before it
     exports and estimates acceptance (session 8: the MLA trainer, started 6 minutes after the MHA one, would have been
     killed in its last minute). Reserved: regeneration and features (~330 s per response per prompt, when
-    this trainer does them), export and the acceptance estimate (~90 s) and one serving arm (~150 s)."""
+    this trainer does them), what precedes the first step (~30 s alone), export and the acceptance estimate (~90 s)
+    and the time step_arms needs left to start this head's serving arm (200 s; session 16 reserved 150, which would
+    have trained the MLA head until its arm could no longer start)."""
     want = float(os.environ.get(f"TRAIN_MINUTES_{fmt.upper()}") or os.environ.get("TRAIN_MINUTES", "5"))
-    reserve = 90 + 150 + (330 * int(os.environ.get("TRAIN_SAMPLES", "1")) if regenerates else 0)
+    reserve = 30 + 90 + ARM_MIN_LEFT_S + (330 * int(os.environ.get("TRAIN_SAMPLES", "1")) if regenerates else 0)
     return round(max(1.0, min(want, (left() - reserve) / 60)), 1)
 
 
@@ -439,7 +442,7 @@ def arm_head(arm: str) -> str | None:
 def step_arms(arms: list[str]) -> None:
     arms = [a for a in arms
             if arm_head(a) is None or os.path.exists(f"{CHECK_WORK}/head-{arm_head(a)}/model.safetensors")]
-    if not arms or left() < 200:
+    if not arms or left() < ARM_MIN_LEFT_S:
         say(f"arms: {arms} skipped ({'no head' if not arms else 'no time'})")
         return
     global REF_EVAL
