@@ -57,3 +57,45 @@ def test_sglang_accept_length_counts_the_bonus():
     # "2.746 at 3 steps means 1.746 accepted drafts, ~58%"
     a = accepted_drafts_from_sglang_accept_length(2.746)
     assert a == pytest.approx(1.746) and a / 3 == pytest.approx(0.582, abs=1e-3)
+
+
+def test_acceptance_standard_error_is_the_spread_across_prompts_a_bootstrap_measures():
+    import math
+    import random
+    import statistics
+
+    from sglang_ext.core.accounting import accepted_drafts_per_step_se
+
+    rng = random.Random(0)
+    steps = [rng.randint(20, 60) for _ in range(32)]
+    drafts = [int(s * rng.uniform(1.2, 2.4)) for s in steps]
+    boot = []
+    for _ in range(4000):
+        idx = [rng.randrange(32) for _ in range(32)]
+        boot.append(sum(drafts[i] for i in idx) / sum(steps[i] for i in idx))
+    se = accepted_drafts_per_step_se(drafts, steps)
+    assert abs(se - statistics.pstdev(boot)) / se < 0.1
+    # equal prompts: no spread; one prompt: no estimate
+    assert accepted_drafts_per_step_se([60, 60], [30, 30]) == 0.0
+    assert math.isnan(accepted_drafts_per_step_se([60], [30]))
+
+
+def test_paired_difference_cancels_what_the_prompts_share():
+    import pytest
+
+    from sglang_ext.core.accounting import accepted_drafts_per_step_se, paired_acceptance_difference
+
+    steps = [40, 50, 30, 45, 60, 35]
+    ref = [40, 100, 15, 80, 130, 50]  # prompts of very different difficulty
+    same = paired_acceptance_difference(ref, steps, ref, steps)
+    assert same["difference"] == 0.0 and same["se"] == 0.0
+    # the server parted on two prompts, one up, one down: the difference is small against its paired spread,
+    # which is far below the spread of either measurement across prompts
+    srv_d, srv_s = [40, 104, 15, 80, 124, 50], [40, 49, 30, 45, 61, 35]
+    p = paired_acceptance_difference(srv_d, srv_s, ref, steps)
+    assert p["a"] == sum(srv_d) / sum(srv_s) and p["b"] == sum(ref) / sum(steps)
+    assert abs(p["difference"]) < 2 * p["se"] < accepted_drafts_per_step_se(ref, steps)
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_acceptance_difference(ref[:3], steps[:3], ref, steps)
+    with pytest.raises(ValueError, match="some steps"):
+        accepted_drafts_per_step_se([0], [0])

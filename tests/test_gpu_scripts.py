@@ -18,7 +18,7 @@ from sglang.srt.server_args import ServerArgs
 
 import time
 args = parse_args(SP.trainer_args("mla", "/tmp/w", "http://x"))
-SP.DEADLINE = time.time() + 510  # 510 s left; reserved: 330 s (regeneration, features) and 320 s around training
+SP.DEADLINE = time.time() + 510  # 510 s left; reserved: 330 s (regeneration, features) and 362 s around training (32 prompts)
 short = parse_args(SP.trainer_args("mla", "/tmp/w", "http://x")).max_train_minutes
 late = parse_args(SP.trainer_args("mla", "/tmp/w", None)).max_train_minutes
 p = argparse.ArgumentParser()
@@ -44,7 +44,7 @@ def test_gpu_script_command_lines_parse():
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     # the pipeline passes --device cuda: the GPU defaults; TRAIN_MINUTES (5) is cut to what the deadline leaves
-    assert r["train"] == [16384, 3, 5.0, 7, "mla", "http://x", 1.0, 3.2]
+    assert r["train"] == [16384, 3, 5.0, 7, "mla", "http://x", 1.0, 2.5]
     arms = r["arms"]
     assert arms["target"][0] is None and arms["mha-chain"][:2] == ["EAGLE3", 1] and arms["mla-tree"][1] == 4
     assert arms["mha-chain-no-overlap"][2] is True and arms["mha-chain"][2] is False
@@ -94,6 +94,33 @@ def test_compare_tp_scores_partings_by_the_first_runs_gaps():
     w = r["mha-chain"]["vs_second_target"]
     assert (w["identical"], w["near_tie_partings"], w["other_partings"]) == (1, 0, 1)
     assert r["mha-chain"]["accepted_drafts_per_step_second"] == 0.52 and r["mha-chain"]["position_first"] == [3, 1, 0]
+
+
+def test_served_acceptance_is_paired_with_the_reference_per_prompt():
+    """check_serving's same-prompts check: the server's outputs part from the reference decoder's on some prompts
+    (bf16), so its acceptance is compared per prompt, within the paired noise, and on the identical outputs."""
+    sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+    from check_serving import pair_with_reference, same_prompts_cell
+
+    eos = 2
+    ref = [{"output_ids": [5, 6, 7, 2], "verify_steps": 2, "accepted_drafts": 2},
+           {"output_ids": [5, 8, 9, 9, 9, 9, 9], "verify_steps": 2, "accepted_drafts": 4},
+           {"output_ids": [4, 4, 4], "verify_steps": 2, "accepted_drafts": 0},
+           {"output_ids": [3, 3, 3, 3], "verify_steps": 1, "accepted_drafts": 2}]
+    srv = [{"output_ids": [5, 6, 7], "verify_steps": 2, "accepted_drafts": 2},  # EOS not returned: identical
+           {"output_ids": [5, 8, 9, 9, 9, 9, 9], "verify_steps": 2, "accepted_drafts": 4},
+           {"output_ids": [4, 1, 1, 1, 1], "verify_steps": 2, "accepted_drafts": 2},  # parted, accepts more
+           {"output_ids": [3, 3, 3, 3], "verify_steps": 1, "accepted_drafts": 2}]
+    r = pair_with_reference(srv, ref, eos)
+    assert r["identical_outputs"] == 3 and r["server_on_identical"] == r["reference_on_identical"] == 8 / 5
+    assert abs(r["paired_difference"] - (10 / 7 - 8 / 7)) < 1e-12 and r["paired_se"] > 0
+    assert r["within_noise"] == (abs(r["paired_difference"]) <= 2 * r["paired_se"])
+    same = pair_with_reference(ref, ref, eos)
+    assert same["paired_difference"] == 0 and same["within_noise"] and same["identical_outputs"] == 4
+    cell = same_prompts_cell({"server_accepted_drafts_per_step": 1.8, "reference_accepted_drafts_per_step": 1.8,
+                              "prompts": 4, **same})
+    assert "within noise" in cell and "4/4 outputs identical" in cell
+    assert same_prompts_cell(None) == "-"
 
 
 def test_compare_tp_reads_deterministic_arms_against_the_deterministic_target():

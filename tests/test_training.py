@@ -443,6 +443,13 @@ def test_train_draft_under_torchrun_rank0_prepares_and_exports(tmp_path):
     report = json.load(open(tmp_path / "head" / "training_report.json"))
     assert report["world_size"] == 2 and report["train_conversations"] == 2 * 11  # 12 prompts, 1 held out
     assert report["final_metrics"]["step"] == 1 and report["final_metrics"]["stopped_early"]
+    # the estimate keeps, per prompt, what a server re-measuring it on the same prompts is paired against
+    est = report["acceptance"]["trained"]
+    assert len(est["per_prompt"]) == 2 and "standard_error" in est
+    assert sum(r["verify_steps"] for r in est["per_prompt"]) == est["verify_steps"]
+    assert sum(r["accepted_drafts"] for r in est["per_prompt"]) == est["accepted_drafts"]
+    for r in est["per_prompt"]:  # the prefill token, then a + 1 per verify step
+        assert len(r["output_ids"]) == 1 + r["verify_steps"] + r["accepted_drafts"] <= 8
     ids = [json.loads(line)["id"] for line in open(tmp_path / "work" / "regenerated.jsonl")]
     sampled = {i.split("#s")[0] for i in ids if i.endswith("#s1")}
     assert len(ids) == 23 and len(sampled) == 11 and len({str(i) for i in range(12)} - sampled) == 1

@@ -20,6 +20,7 @@ import time
 import torch
 
 from sglang_ext.conventions import default_output_ids
+from sglang_ext.core.accounting import accepted_drafts_per_step_se
 from sglang_ext.core.capture import text_config_of
 from sglang_ext.core.decoder import ReferenceDecoder
 from sglang_ext.core.heads import Eagle3Head, head_config_for
@@ -214,13 +215,22 @@ def init_layer_index(init_layer: str, aux_ids: list[int], n_layers: int) -> int 
 def acceptance_estimate(target, head, prompts, steps, max_new_tokens, eos) -> dict | None:
     if getattr(target, "_sglang_ext_weights_only", None) is not None:
         return None  # the reference decoder needs the whole target: serve the head and measure there
+    """The reference decoder's acceptance on `prompts`, with what a re-measurement needs: per prompt its verify
+    steps, accepted drafts and output tokens (a server's greedy outputs can part from these under bf16; the
+    comparison is paired per prompt), and the standard error across prompts."""
     dec = ReferenceDecoder(target, head, num_steps=steps, topk=1)
-    stats = None
+    stats, per_prompt = None, []
     for p in prompts:
         g = dec.generate(p, max_new_tokens, eos_token_ids=eos)
         stats = g.stats if stats is None else stats.merge(g.stats)
+        per_prompt.append({"verify_steps": g.stats.verify_steps, "accepted_drafts": g.stats.accepted_drafts,
+                           "finish_reason": g.finish_reason, "output_ids": g.tokens})
     dec.close()
-    return stats.to_dict()
+    out = stats.to_dict()
+    out["standard_error"] = accepted_drafts_per_step_se([r["accepted_drafts"] for r in per_prompt],
+                                                        [r["verify_steps"] for r in per_prompt])
+    out["per_prompt"] = per_prompt
+    return out
 
 
 def parse_head_overrides(items: list[str]) -> dict:
@@ -449,7 +459,8 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
     if args.compare_untrained:
         untrained = acceptance_estimate(target, head, prompts, args.eval_steps, args.eval_max_new_tokens, eos)
     t = time.time()
-    metrics = train(head, records, lm_head, tcfg, checkpoint_dir=os.path.join(args.work, "checkpoint"))
+    metrics = train(head, records, lm_head, tcfg, checkpoint_dir=os.path.join(args.work, "checkpoint"),
+                    log=lambda m: print(f"[train-draft] {m}", flush=True))  # the pipeline's progress keeps these
     train_s = time.time() - t
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tokens_per_s = metrics.get("tokens_trained", 0) * world / max(train_s, 1e-9)  # all ranks: equal shares
@@ -492,7 +503,8 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
                 "target); serve the head and run `python -m eval.gsm8k --base-url ...` for its acceptance")
     else:
         line = (f"[train-draft] acceptance on {len(prompts)} held-out GSM8K chat prompts (chain, {args.eval_steps} "
-                f"steps, greedy): accepted drafts per step {est['accepted_drafts_per_step']:.3f}, per position "
+                f"steps, greedy): accepted drafts per step {est['accepted_drafts_per_step']:.3f} (standard error "
+                f"across prompts {est['standard_error']:.3f}), per position "
                 f"{[round(x, 3) for x in est['per_position_acceptance']]}")
     if untrained:
         line += f"; untrained head {untrained['accepted_drafts_per_step']:.3f}"

@@ -150,3 +150,40 @@ def completion_tokens_invariant(stats: AcceptanceStats) -> int:
 def accepted_drafts_from_sglang_accept_length(accept_length: float) -> float:
     """SGLang's accept length (log line, avg_spec_accept_length) counts the bonus token: subtract it."""
     return accept_length - 1.0
+
+
+# ---------------------------------------------------------------------------------- noise across prompts
+# Accepted drafts per step over a prompt set is a ratio of sums (drafts / steps), and steps within a prompt are
+# correlated (a prompt is easy or hard throughout), so its noise is measured across prompts, not steps: the
+# linearised (delta-method) standard error of a ratio estimator with the prompt as the sampling unit. Two
+# measurements of one head on the same prompts (the server and the reference decoder, whose greedy outputs can
+# part under bf16) are compared as a paired difference, which cancels what the prompts share.
+
+def _ratio_residuals(drafts: list[int], steps: list[int]) -> tuple[float, list[float]]:
+    total = sum(steps)
+    if len(drafts) != len(steps) or total <= 0:
+        raise ValueError(f"need one (drafts, steps) pair per prompt and some steps; got {len(drafts)} drafts, "
+                         f"{len(steps)} step counts, {total} steps")
+    ratio = sum(drafts) / total
+    return ratio, [(d - ratio * s) / total for d, s in zip(drafts, steps)]
+
+
+def _spread(residuals: list[float]) -> float:
+    n = len(residuals)
+    return (n / (n - 1) * sum(r * r for r in residuals)) ** 0.5 if n > 1 else float("nan")
+
+
+def accepted_drafts_per_step_se(drafts: list[int], steps: list[int]) -> float:
+    """Standard error of sum(drafts) / sum(steps) with prompts as the unit (nan for one prompt)."""
+    return _spread(_ratio_residuals(drafts, steps)[1])
+
+
+def paired_acceptance_difference(drafts_a: list[int], steps_a: list[int], drafts_b: list[int],
+                                 steps_b: list[int]) -> dict:
+    """A - B in accepted drafts per step on the same prompts (same order), with the paired standard error."""
+    if len(drafts_a) != len(drafts_b):
+        raise ValueError(f"paired comparison needs the same prompts: {len(drafts_a)} against {len(drafts_b)}")
+    ra, ea = _ratio_residuals(drafts_a, steps_a)
+    rb, eb = _ratio_residuals(drafts_b, steps_b)
+    return {"a": ra, "b": rb, "difference": ra - rb, "se": _spread([x - y for x, y in zip(ea, eb)]),
+            "prompts": len(drafts_a)}

