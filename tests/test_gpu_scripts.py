@@ -371,3 +371,38 @@ def test_pack_build_and_unpack_build_commands(tmp_path):
     assert (tmp_path / "restored" / "target" / "model.safetensors").read_bytes() == (
         root / "target" / "model.safetensors").read_bytes()
     assert (tmp_path / "restored" / "train-mha" / "regenerated.complete").exists()
+
+
+def test_pack_heads_and_unpack_heads_commands(tmp_path):
+    """Exported heads travel as parts too (a head's weights exceed what a device call returns per file): pack-heads K
+    packs the heads exported now at K = 0, unpack-heads restores them beside a build, where the pipeline serves them
+    without training them again; refused with nothing exported, and over heads already there."""
+    run = lambda *a, **env: subprocess.run([sys.executable, "tests/gpu/scale_pipeline.py", *a], cwd=REPO,
+                                           env=dict(os.environ, **env), capture_output=True, text=True, timeout=300)
+    root = tmp_path / "scale"
+    (root / "servecheck").mkdir(parents=True)
+    p = run("pack-heads", "0", PIPE_ROOT=str(root), OUT=str(tmp_path / "out"))
+    assert p.returncode != 0 and "no exported head" in p.stderr
+    head = root / "servecheck" / "head-mha"
+    head.mkdir()
+    weights = os.urandom(4000)
+    (head / "model.safetensors").write_bytes(weights)
+    (head / "training_report.json").write_text('{"acceptance": {}}')
+    (root / "servecheck" / "head-mla").mkdir()  # an MLA trainer still running: not exported, not packed
+    p = run("pack-heads", "0", PIPE_ROOT=str(root), OUT=str(tmp_path / "out"))
+    assert p.returncode == 0 and "that was the last" in p.stdout, p.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path / "out" / "heads")) == ["SHA256SUMS", "heads.tar.gz.part-00"]
+    restored = tmp_path / "restored"
+    p = run("unpack-heads", str(tmp_path / "out" / "heads"), PIPE_ROOT=str(restored))
+    assert p.returncode == 0 and "servecheck/head-mha" in p.stdout, p.stderr[-2000:]
+    assert (restored / "servecheck" / "head-mha" / "model.safetensors").read_bytes() == weights
+    assert (restored / "servecheck" / "head-mha" / "training_report.json").exists()
+    assert not (restored / "servecheck" / "head-mla").exists()
+    p = run("unpack-heads", str(tmp_path / "out" / "heads"), PIPE_ROOT=str(restored))
+    assert p.returncode != 0 and "already holds ['servecheck/head-mha']" in p.stderr
+    # once the MLA head is exported too, pack-heads 0 packs both (the earlier parts are not reused)
+    (root / "servecheck" / "head-mla" / "model.safetensors").write_bytes(os.urandom(4000))
+    p = run("pack-heads", "0", PIPE_ROOT=str(root), OUT=str(tmp_path / "out2"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = run("unpack-heads", str(tmp_path / "out2" / "heads"), PIPE_ROOT=str(tmp_path / "both"))
+    assert p.returncode == 0 and "servecheck/head-mha, servecheck/head-mla" in p.stdout

@@ -33,7 +33,9 @@ through tests/gpu/launch.sh, which also starts the benchmark on a second GPU -- 
 A build can outlive its machine: `pack-build K` (K = 0, 1, ...) copies the K-th group of parts of the
 build, its regenerated data and the target's reference outputs to $OUT (four parts a call, within what a
 call returns), and a later session carries the parts back and runs `unpack-build DIR` before the pipeline,
-which then starts no build, no server and no regeneration (~900 s of an H200 saved).
+which then starts no build, no server and no regeneration (~900 s of an H200 saved). `pack-heads K` /
+`unpack-heads DIR` do the same for the exported heads (K = 0 packs what is exported then): a restored head is
+not trained again, only served.
 
 Environment: PIPE_DEADLINE (epoch seconds: no step starts that cannot end before it), PIPE_ARMS
 (check_serving arms, default: see run()), TEACHER (a
@@ -105,28 +107,30 @@ PART_BYTES = 15 * 2**20  # four parts and their checksums stay within the 64 MiB
 PARTS_PER_CALL = 4
 
 
-def pack_build(root: str, parts_dir: str) -> list[str]:
-    """The build as a gzip'd (level 1: bf16 weights shrink ~20% at ~30 MB/s) tar in parts of PART_BYTES, with
-    SHA256SUMS; made once (an existing SHA256SUMS is reused). Refused before the regeneration is complete."""
+# The heads a run trained (exported directories, with their training reports): a head file is over the 16 MiB a
+# device call returns per file, so heads travel as parts too -- to be re-measured here, or served again later
+# without training (the pipeline trains no head whose model.safetensors is present).
+HEADS = ["servecheck/head-mha", "servecheck/head-mla"]
+
+
+def pack(root: str, paths: list[str], parts_dir: str, stem: str) -> list[str]:
+    """`paths` under `root` as a gzip'd (level 1: bf16 weights shrink ~20% at ~30 MB/s) tar in parts of
+    PART_BYTES named <stem>.tar.gz.part-NN, with SHA256SUMS; made once (an existing SHA256SUMS is reused)."""
     import hashlib
     import tarfile
 
     sums = os.path.join(parts_dir, "SHA256SUMS")
     if os.path.exists(sums):
         return [line.split()[1] for line in open(sums).read().splitlines()]
-    missing = [p for p in PACKED if not os.path.exists(os.path.join(root, p))]
-    if missing:
-        raise SystemExit(f"pack-build: {root} lacks {missing}; pack once the pipeline has regenerated its data "
-                         "(progress.log: 'target: regeneration done')")
     os.makedirs(parts_dir, exist_ok=True)
-    whole = os.path.join(parts_dir, "build.tar.gz")
+    whole = os.path.join(parts_dir, f"{stem}.tar.gz")
     with tarfile.open(whole, "w:gz", compresslevel=1) as tar:
-        for p in PACKED:
+        for p in paths:
             tar.add(os.path.join(root, p), arcname=p)
     names = []
     with open(whole, "rb") as f:
         while chunk := f.read(PART_BYTES):
-            names.append(f"build.tar.gz.part-{len(names):02d}")
+            names.append(f"{stem}.tar.gz.part-{len(names):02d}")
             with open(os.path.join(parts_dir, names[-1]), "wb") as out:
                 out.write(chunk)
     os.remove(whole)
@@ -137,37 +141,84 @@ def pack_build(root: str, parts_dir: str) -> list[str]:
     return names
 
 
-def unpack_build(parts_dir: str, root: str) -> None:
-    """Every part listed in SHA256SUMS present and intact, then the build extracted into `root`."""
+def unpack(parts_dir: str, root: str, command: str) -> None:
+    """Every part listed in SHA256SUMS present and intact, then extracted into `root`."""
     import hashlib
     import tarfile
 
     sums = os.path.join(parts_dir, "SHA256SUMS")
     if not os.path.exists(sums):
-        raise SystemExit(f"unpack-build: no SHA256SUMS in {parts_dir}; carry it with the parts (pack-build writes it)")
+        raise SystemExit(f"{command}: no SHA256SUMS in {parts_dir}; carry it with the parts (pack-* writes it)")
     expected = [line.split() for line in open(sums).read().splitlines() if line.strip()]
     absent = [n for _, n in expected if not os.path.exists(os.path.join(parts_dir, n))]
     if absent:
-        raise SystemExit(f"unpack-build: {len(absent)} of {len(expected)} parts are not in {parts_dir}: "
-                         f"{absent}; carry them (at most {PARTS_PER_CALL} a call) and run unpack-build again")
+        raise SystemExit(f"{command}: {len(absent)} of {len(expected)} parts are not in {parts_dir}: "
+                         f"{absent}; carry them (at most {PARTS_PER_CALL} a call) and run {command} again")
     bad = [n for digest, n in expected
            if hashlib.sha256(open(os.path.join(parts_dir, n), "rb").read()).hexdigest() != digest]
     if bad:
-        raise SystemExit(f"unpack-build: parts {bad} do not match SHA256SUMS (cut short in transfer?); fetch and "
+        raise SystemExit(f"{command}: parts {bad} do not match SHA256SUMS (cut short in transfer?); fetch and "
                          "carry them again")
-    if os.path.exists(os.path.join(root, "target", "scale_target_report.json")):
-        raise SystemExit(f"unpack-build: {root}/target already holds a build; remove {root} to restore another")
     os.makedirs(root, exist_ok=True)
-    whole = os.path.join(parts_dir, "build.tar.gz")
+    whole = os.path.join(parts_dir, "whole.tar.gz")
     with open(whole, "wb") as out:
         for _, n in expected:
             out.write(open(os.path.join(parts_dir, n), "rb").read())
-    with tarfile.open(whole, "r:gz") as tar:
-        tar.extractall(root, filter="data")  # paths stay inside root; no links or devices
-    os.remove(whole)
+    try:
+        with tarfile.open(whole, "r:gz") as tar:
+            tar.extractall(root, filter="data")  # paths stay inside root; no links or devices
+    finally:
+        os.remove(whole)
+
+
+def pack_build(root: str, parts_dir: str) -> list[str]:
+    """The build (PACKED) in parts; refused before the regeneration is complete."""
+    if not os.path.exists(os.path.join(parts_dir, "SHA256SUMS")):
+        missing = [p for p in PACKED if not os.path.exists(os.path.join(root, p))]
+        if missing:
+            raise SystemExit(f"pack-build: {root} lacks {missing}; pack once the pipeline has regenerated its data "
+                             "(progress.log: 'target: regeneration done')")
+    return pack(root, PACKED, parts_dir, "build")
+
+
+def unpack_build(parts_dir: str, root: str) -> None:
+    if os.path.exists(os.path.join(root, "target", "scale_target_report.json")):
+        raise SystemExit(f"unpack-build: {root}/target already holds a build; remove {root} to restore another")
+    unpack(parts_dir, root, "unpack-build")
     served = os.path.join(root, "servecheck", "target")  # check_serving's view of the target, as the build left it
     if not os.path.lexists(served):
         os.symlink(os.path.join(os.path.abspath(root), "target"), served)
+
+
+def pack_heads(root: str, parts_dir: str, fresh: bool) -> list[str]:
+    """The exported heads present now (those with model.safetensors; `fresh` repacks, e.g. after the second head
+    finished). Refused while none is exported."""
+    present = [h for h in HEADS if os.path.exists(os.path.join(root, h, "model.safetensors"))]
+    if fresh or not os.path.exists(os.path.join(parts_dir, "SHA256SUMS")):
+        if not present:
+            raise SystemExit(f"pack-heads: no exported head under {root}/servecheck yet; pack once a trainer's log "
+                             "says '[train-draft] exported'")
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    return pack(root, present, parts_dir, "heads")
+
+
+def unpack_heads(parts_dir: str, root: str) -> None:
+    """The heads into `root` (next to a restored build); refused where a head is already exported there."""
+    held = [h for h in HEADS if os.path.exists(os.path.join(root, h, "model.safetensors"))]
+    if held:
+        raise SystemExit(f"unpack-heads: {root} already holds {held}; remove them to restore others")
+    unpack(parts_dir, root, "unpack-heads")
+
+
+def send_parts(names: list[str], parts_dir: str, k: int, out: str, command: str) -> None:
+    """The k-th group of parts, and SHA256SUMS, into `out` (one device call's worth)."""
+    group = names[k * PARTS_PER_CALL: (k + 1) * PARTS_PER_CALL]
+    os.makedirs(out, exist_ok=True)
+    for n in group + ["SHA256SUMS"]:
+        shutil.copy(os.path.join(parts_dir, n), out)
+    calls = -(-len(names) // PARTS_PER_CALL)
+    print(f"{command} {k}: parts {group} of {len(names)}; "
+          + (f"next: {command} {k + 1} ({calls - k - 1} more calls)" if k + 1 < calls else "that was the last"))
 
 
 def say(msg: str) -> None:
@@ -626,20 +677,23 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["run"]:
         sys.exit(run())
     if sys.argv[1:2] == ["pack-build"]:  # pack-build K: the K-th group of parts into $OUT/build
-        k, out = int(sys.argv[2]), os.path.join(os.environ["OUT"], "build")
-        parts = f"{ROOT}-build"
-        names = pack_build(ROOT, parts)
-        group = names[k * PARTS_PER_CALL: (k + 1) * PARTS_PER_CALL]
-        os.makedirs(out, exist_ok=True)
-        for n in group + ["SHA256SUMS"]:
-            shutil.copy(os.path.join(parts, n), out)
-        calls = -(-len(names) // PARTS_PER_CALL)
-        print(f"pack-build {k}: parts {group} of {len(names)}; "
-              + (f"next: pack-build {k + 1} ({calls - k - 1} more calls)" if k + 1 < calls else "that was the last"))
+        k = int(sys.argv[2])
+        send_parts(pack_build(ROOT, f"{ROOT}-build"), f"{ROOT}-build", k, os.path.join(os.environ["OUT"], "build"),
+                   "pack-build")
         sys.exit(0)
     if sys.argv[1:2] == ["unpack-build"]:  # unpack-build DIR: the carried parts into ROOT (/tmp/scale)
         unpack_build(sys.argv[2], ROOT)
         print(f"unpack-build: {ROOT} restored: " + ", ".join(p for p in PACKED if os.path.exists(f"{ROOT}/{p}")))
+        sys.exit(0)
+    if sys.argv[1:2] == ["pack-heads"]:  # pack-heads K: the exported heads' K-th group of parts into $OUT/heads
+        k = int(sys.argv[2])
+        send_parts(pack_heads(ROOT, f"{ROOT}-heads", fresh=k == 0), f"{ROOT}-heads", k,
+                   os.path.join(os.environ["OUT"], "heads"), "pack-heads")
+        sys.exit(0)
+    if sys.argv[1:2] == ["unpack-heads"]:  # unpack-heads DIR: carried head parts into ROOT/servecheck
+        unpack_heads(sys.argv[2], ROOT)
+        print(f"unpack-heads: {ROOT} restored: " + ", ".join(
+            h for h in HEADS if os.path.exists(f"{ROOT}/{h}/model.safetensors")))
         sys.exit(0)
     if sys.argv[1:2] == ["specforge"]:  # on a GPU of its own, beside `run` (tests/gpu/launch.sh, GPU1=specforge)
         os.makedirs(RESULTS, exist_ok=True)
