@@ -213,11 +213,11 @@ def init_layer_index(init_layer: str, aux_ids: list[int], n_layers: int) -> int 
 
 
 def acceptance_estimate(target, head, prompts, steps, max_new_tokens, eos) -> dict | None:
-    if getattr(target, "_sglang_ext_weights_only", None) is not None:
-        return None  # the reference decoder needs the whole target: serve the head and measure there
     """The reference decoder's acceptance on `prompts`, with what a re-measurement needs: per prompt its verify
     steps, accepted drafts and output tokens (a server's greedy outputs can part from these under bf16; the
     comparison is paired per prompt), and the standard error across prompts."""
+    if getattr(target, "_sglang_ext_weights_only", None) is not None:
+        return None  # the reference decoder needs the whole target: serve the head and measure there
     dec = ReferenceDecoder(target, head, num_steps=steps, topk=1)
     stats, per_prompt = None, []
     for p in prompts:
