@@ -23,7 +23,7 @@ import time
 
 from tqdm import tqdm
 
-from sglang_ext.core.accounting import AcceptanceStats
+from sglang_ext.core.accounting import AcceptanceStats, accepted_drafts_per_step_se
 from sglang_ext.http_client import get_json, post_json
 from eval.report import write_reports
 
@@ -197,15 +197,22 @@ def acceptance(results: list[dict], depth: int | None) -> dict | None:
         return None
     if all(s["histogram_counts"] is not None for s in specs):
         d = depth if depth is not None else max(len(s["histogram_counts"]) for s in specs) - 1
-        stats = AcceptanceStats(d)
+        stats, per_q = AcceptanceStats(d), []
         for s in specs:
-            h = (s["histogram_counts"] + [0] * (d + 1))[: d + 1]
-            stats = stats.merge(AcceptanceStats(d, h))
-        return stats.to_dict()
-    steps = sum(s["verify_steps"] for s in specs)
-    acc = sum(s["accepted_drafts"] or 0 for s in specs)
-    return {"verify_steps": steps, "accepted_drafts": acc, "accepted_drafts_per_step": acc / steps if steps else 0.0,
-            "tokens_per_step": (acc + steps) / steps if steps else 0.0}
+            one = AcceptanceStats(d, (s["histogram_counts"] + [0] * (d + 1))[: d + 1])
+            stats = stats.merge(one)
+            per_q.append((one.accepted_drafts, one.verify_steps))
+        out = stats.to_dict()
+    else:
+        per_q = [(s["accepted_drafts"] or 0, s["verify_steps"]) for s in specs]
+        steps, acc = sum(n for _, n in per_q), sum(a for a, _ in per_q)
+        out = {"verify_steps": steps, "accepted_drafts": acc,
+               "accepted_drafts_per_step": acc / steps if steps else 0.0,
+               "tokens_per_step": (acc + steps) / steps if steps else 0.0}
+    # the question is the unit of noise (docs/metrics.md, "Noise")
+    if sum(n for _, n in per_q) > 0:
+        out["standard_error"] = accepted_drafts_per_step_se([a for a, _ in per_q], [n for _, n in per_q])
+    return out
 
 
 def score(rows, results, wall_s: float, depth, want_spec: bool) -> dict:
@@ -380,6 +387,9 @@ def print_summary(report: dict) -> None:
                 f"{a['flexible']['accuracy']:.3f}; {a['output_tokens_per_s']:.1f} output tokens/s")
         if acc:
             line += f"; accepted drafts per step {acc['accepted_drafts_per_step']:.3f}"
+            se = acc.get("standard_error")
+            if se is not None and not math.isnan(se):  # nan: one question
+                line += f" +- {se:.3f}"
             if "per_position_acceptance" in acc:
                 line += f" (per position {[round(x, 3) for x in acc['per_position_acceptance']]})"
         elif a.get("acceptance_note"):

@@ -104,6 +104,7 @@ def test_reference_backend_end_to_end_on_a_tiny_model(tmp_path):
     assert r["questions"] == 5 and set(r["arms"]) == {"spec", "no-spec"}
     spec, plain = r["arms"]["spec"], r["arms"]["no-spec"]
     assert spec["acceptance"]["verify_steps"] > 0 and plain["acceptance"] is None
+    assert spec["acceptance"]["standard_error"] >= 0  # across the 5 questions (docs/metrics.md, "Noise")
     # greedy speculation is lossless: the same answers, so McNemar sees no discordant pair
     assert r["compare"]["mcnemar_strict"]["only_first_correct"] == r["compare"]["mcnemar_strict"]["only_second_correct"] == 0
     assert [s["output"] for s in r["samples"]["spec"]] == [s["output"] for s in r["samples"]["no-spec"]]
