@@ -51,6 +51,7 @@ directory, default /tmp/scale; a build's parts go beside it, in <root>-build).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -160,15 +161,37 @@ def unpack(parts_dir: str, root: str, command: str) -> None:
         raise SystemExit(f"{command}: parts {bad} do not match SHA256SUMS (cut short in transfer?); fetch and "
                          "carry them again")
     os.makedirs(root, exist_ok=True)
-    whole = os.path.join(parts_dir, "whole.tar.gz")
-    with open(whole, "wb") as out:
-        for _, n in expected:
-            out.write(open(os.path.join(parts_dir, n), "rb").read())
-    try:
-        with tarfile.open(whole, "r:gz") as tar:
-            tar.extractall(root, filter="data")  # paths stay inside root; no links or devices
-    finally:
-        os.remove(whole)
+    # the parts read in order as one stream: no joined copy (a build is ~350 MB), and parts may sit read-only
+    with _Chain([os.path.join(parts_dir, n) for _, n in expected]) as stream, \
+            tarfile.open(fileobj=stream, mode="r|gz") as tar:
+        tar.extractall(root, filter="data")  # paths stay inside root; no links or devices
+
+
+class _Chain(io.RawIOBase):
+    """Files read one after the other as one stream."""
+
+    def __init__(self, paths: list[str]):
+        self.paths, self.f = list(paths), None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while True:
+            if self.f is None:
+                if not self.paths:
+                    return 0
+                self.f = open(self.paths.pop(0), "rb")
+            n = self.f.readinto(buf)
+            if n:
+                return n
+            self.f.close()
+            self.f = None
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+        super().close()
 
 
 def pack_build(root: str, parts_dir: str) -> list[str]:
