@@ -46,11 +46,12 @@ instead), MLA_TRAIN_GPU (a physical GPU index for the MLA trainer; default: the 
 (sequential, the default on one GPU, or concurrent, the default with MLA_TRAIN_GPU), EVAL_PROMPTS (held-out
 GSM8K prompts of each head's acceptance estimate, default 32), PIPE_SKIP (steps an
 earlier session measured: gsm8k, upstream, noise, specforge, fp32, mla), PIPE_ROOT (the work
-directory, default /tmp/scale; a build's parts go beside it, in <root>-build).
+directory, default /tmp/scale; a build's parts go beside it, in <root>-build, the heads' in <root>-heads).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -117,25 +118,19 @@ HEADS = ["servecheck/head-mha", "servecheck/head-mla"]
 def pack(root: str, paths: list[str], parts_dir: str, stem: str) -> list[str]:
     """`paths` under `root` as a gzip'd (level 1: bf16 weights shrink ~20% at ~30 MB/s) tar in parts of
     PART_BYTES named <stem>.tar.gz.part-NN, with SHA256SUMS; made once (an existing SHA256SUMS is reused)."""
-    import hashlib
     import tarfile
 
     sums = os.path.join(parts_dir, "SHA256SUMS")
     if os.path.exists(sums):
         return [line.split()[1] for line in open(sums).read().splitlines()]
     os.makedirs(parts_dir, exist_ok=True)
-    whole = os.path.join(parts_dir, f"{stem}.tar.gz")
-    with tarfile.open(whole, "w:gz", compresslevel=1) as tar:
-        for p in paths:
-            tar.add(os.path.join(root, p), arcname=p)
-    names = []
-    with open(whole, "rb") as f:
-        while chunk := f.read(PART_BYTES):
-            names.append(f"{stem}.tar.gz.part-{len(names):02d}")
-            with open(os.path.join(parts_dir, names[-1]), "wb") as out:
-                out.write(chunk)
-    os.remove(whole)
-    lines = [f"{hashlib.sha256(open(os.path.join(parts_dir, n), 'rb').read()).hexdigest()}  {n}" for n in names]
+    # the archive written straight into its parts, each hashed as written: no whole copy written and read back
+    with _Split(parts_dir, f"{stem}.tar.gz.part-") as split:
+        with tarfile.open(fileobj=split, mode="w:gz", compresslevel=1) as tar:
+            for p in paths:
+                tar.add(os.path.join(root, p), arcname=p)
+    lines = [f"{digest}  {n}" for n, digest in split.parts]
+    names = [n for n, _ in split.parts]
     with open(sums + ".tmp", "w") as f:
         f.write("\n".join(lines) + "\n")
     os.replace(sums + ".tmp", sums)  # last: a pack cut short is redone, not reused
@@ -144,7 +139,6 @@ def pack(root: str, paths: list[str], parts_dir: str, stem: str) -> list[str]:
 
 def unpack(parts_dir: str, root: str, command: str) -> None:
     """Every part listed in SHA256SUMS present and intact, then extracted into `root`."""
-    import hashlib
     import tarfile
 
     sums = os.path.join(parts_dir, "SHA256SUMS")
@@ -165,6 +159,40 @@ def unpack(parts_dir: str, root: str, command: str) -> None:
     with _Chain([os.path.join(parts_dir, n) for _, n in expected]) as stream, \
             tarfile.open(fileobj=stream, mode="r|gz") as tar:
         tar.extractall(root, filter="data")  # paths stay inside root; no links or devices
+
+
+class _Split(io.RawIOBase):
+    """A stream written into files of PART_BYTES (<prefix>NN), each one's SHA-256 kept in `parts`."""
+
+    def __init__(self, parts_dir: str, prefix: str):
+        self.dir, self.prefix, self.parts, self.f, self.room, self.hash = parts_dir, prefix, [], None, 0, None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        while view:
+            if self.room == 0:
+                self._end_part()
+                self.parts.append((f"{self.prefix}{len(self.parts):02d}", None))
+                self.f, self.room, self.hash = open(os.path.join(self.dir, self.parts[-1][0]), "wb"), PART_BYTES, \
+                    hashlib.sha256()
+            chunk, view = view[:self.room], view[self.room:]
+            self.f.write(chunk)
+            self.hash.update(chunk)
+            self.room -= len(chunk)
+        return len(data)
+
+    def _end_part(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.parts[-1] = (self.parts[-1][0], self.hash.hexdigest())
+            self.f = None
+
+    def close(self) -> None:
+        self._end_part()
+        super().close()
 
 
 class _Chain(io.RawIOBase):
