@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import decimal
 import math
 import os
 import re
@@ -29,7 +30,9 @@ from eval.report import write_reports
 
 SHARED = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
                                        "gsm8k"))
-NUM = r"-?[\d,]*\.?\d+"
+# a number starts with a digit that does not continue one ("1.2.3" is not "1.2" then ".3"); commas only as thousands
+# separators ("1,000", not the list "1,2,3")
+NUM = r"(?<!\d)(?<!\d\.)-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 
 
 # ------------------------------------------------------------------------------------- answers
@@ -40,18 +43,20 @@ def normalize_number(s: str | None) -> str | None:
     if s is None:
         return None
     s = s.strip().replace(",", "").replace("$", "").rstrip(".")
-    try:
-        v = float(s)
-    except ValueError:
+    try:  # exact: two integers past 2**53 that a float would round together stay apart
+        v = decimal.Decimal(s)
+    except decimal.InvalidOperation:
         return None
-    if math.isnan(v) or math.isinf(v):
+    if not v.is_finite():
         return None
-    return str(int(v)) if v == int(v) else repr(v).rstrip("0").rstrip(".")
+    if v == v.to_integral_value():
+        return str(int(v))
+    return format(v.normalize(), "f")
 
 
 def extract_strict(text: str) -> str | None:
-    m = re.search(r"####\s*\$?\s*(" + NUM + ")", text)
-    return normalize_number(m.group(1)) if m else None
+    m = re.search(r"####\s*(-?)\s*\$?\s*(" + NUM + ")", text)  # "#### -$5" as "#### $-5"
+    return normalize_number(m.group(1) + m.group(2)) if m else None
 
 
 def extract_flexible(text: str) -> str | None:
@@ -191,27 +196,43 @@ def mcnemar(a: list[bool], b: list[bool]) -> dict:
     return {"only_first_correct": b01, "only_second_correct": b10, "p_value": p}
 
 
+# per drafted token: steps x depth; a guessed depth would make it wrong (per-position figures, P(a >= i), are not)
+DEPTH_DEPENDENT = ("draft_acceptance_rate",)
+
+
 def acceptance(results: list[dict], depth: int | None) -> dict | None:
+    """Accepted drafts per step over the requests (a ratio of sums), with its standard error across questions.
+    A histogram is read at the larger of the server's depth and its own bins (an adaptive server's depth varies),
+    never cut; with the depth unknown, the figures that divide by it are left out. A request whose counters
+    lack its accepted drafts is left out and counted, not read as zero drafts."""
     specs = [r["spec"] for r in results if r["spec"] is not None]
-    if not specs:
+    counted = [s for s in specs if s["histogram_counts"] is not None or s["accepted_drafts"] is not None]
+    if not counted:
         return None
-    if all(s["histogram_counts"] is not None for s in specs):
-        d = depth if depth is not None else max(len(s["histogram_counts"]) for s in specs) - 1
-        stats, per_q = AcceptanceStats(d), []
-        for s in specs:
-            one = AcceptanceStats(d, (s["histogram_counts"] + [0] * (d + 1))[: d + 1])
-            stats = stats.merge(one)
-            per_q.append((one.accepted_drafts, one.verify_steps))
+    if all(s["histogram_counts"] is not None for s in counted):
+        per = [AcceptanceStats.from_histogram(s["histogram_counts"], depth) for s in counted]
+        d = max([depth or 0] + [p.depth for p in per])
+        stats = AcceptanceStats(d)
+        for p in per:
+            stats = stats.merge(p.resized(d))
+        per_q = [(p.accepted_drafts, p.verify_steps) for p in per]
         out = stats.to_dict()
+        if depth is None:  # guessed from the bins seen: positions past the largest are unknown, not zero
+            for key in DEPTH_DEPENDENT:
+                out.pop(key, None)
+            out["depth"] = None
     else:
-        per_q = [(s["accepted_drafts"] or 0, s["verify_steps"]) for s in specs]
+        per_q = [(s["accepted_drafts"], s["verify_steps"]) for s in counted]
         steps, acc = sum(n for _, n in per_q), sum(a for a, _ in per_q)
         out = {"verify_steps": steps, "accepted_drafts": acc,
                "accepted_drafts_per_step": acc / steps if steps else 0.0,
                "tokens_per_step": (acc + steps) / steps if steps else 0.0}
-    # the question is the unit of noise (docs/metrics.md, "Noise")
+    if len(counted) < len(specs):
+        out["requests_without_draft_counts"] = len(specs) - len(counted)
+    # the question is the unit of noise (docs/metrics.md, "Noise"); one question has none to measure (null)
     if sum(n for _, n in per_q) > 0:
-        out["standard_error"] = accepted_drafts_per_step_se([a for a, _ in per_q], [n for _, n in per_q])
+        se = accepted_drafts_per_step_se([a for a, _ in per_q], [n for _, n in per_q])
+        out["standard_error"] = None if math.isnan(se) else se
     return out
 
 
@@ -235,9 +256,12 @@ def per_question(rows, results) -> list[dict]:
     out = []
     for i, (q, r) in enumerate(zip(rows, results)):
         ref = reference_answer(q["answer"])
-        out.append({"index": i, "strict": extract_strict(r["text"]) == ref, "flexible": extract_flexible(r["text"]) == ref,
-                    "answer": extract_flexible(r["text"]), "output_tokens": r["completion_tokens"],
-                    "output_sha1": hashlib.sha1(r["text"].encode()).hexdigest()[:16]})
+        row = {"index": i, "strict": extract_strict(r["text"]) == ref, "flexible": extract_flexible(r["text"]) == ref,
+               "answer": extract_flexible(r["text"]), "output_tokens": r["completion_tokens"],
+               "output_sha1": hashlib.sha1(r["text"].encode()).hexdigest()[:16]}
+        if r.get("spec") is not None:  # what the acceptance figures are recounted (and paired) from
+            row.update({k: r["spec"][k] for k in ("verify_steps", "accepted_drafts", "histogram_counts")})
+        out.append(row)
     return out
 
 
@@ -388,7 +412,7 @@ def print_summary(report: dict) -> None:
         if acc:
             line += f"; accepted drafts per step {acc['accepted_drafts_per_step']:.3f}"
             se = acc.get("standard_error")
-            if se is not None and not math.isnan(se):  # nan: one question
+            if se is not None:  # None: one question
                 line += f" +- {se:.3f}"
             if "per_position_acceptance" in acc:
                 line += f" (per position {[round(x, 3) for x in acc['per_position_acceptance']]})"

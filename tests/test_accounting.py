@@ -99,3 +99,13 @@ def test_paired_difference_cancels_what_the_prompts_share():
         paired_acceptance_difference(ref[:3], steps[:3], ref, steps)
     with pytest.raises(ValueError, match="some steps"):
         accepted_drafts_per_step_se([0], [0])
+
+
+def test_impossible_counts_are_refused():
+    from sglang_ext.core.accounting import AcceptanceStats, accepted_drafts_per_step_se
+
+    for bad in (lambda: AcceptanceStats(-1), lambda: AcceptanceStats(2, [1, -5, 0]), lambda: AcceptanceStats(1, [1.5, 2]),
+                lambda: accepted_drafts_per_step_se([5, 5], [0, 10]), lambda: accepted_drafts_per_step_se([5, -5], [2, 2]),
+                lambda: accepted_drafts_per_step_se([float("nan"), 1], [2, 2])):
+        with pytest.raises(ValueError):
+            bad()

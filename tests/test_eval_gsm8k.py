@@ -20,6 +20,11 @@ from eval import gsm8k as G
     ("Total: 3.5 hours, then 7 more. The answer is 10.", None, "10"),
     ("I don't know.", None, None),
     ("He pays $45.", None, "45"),
+    ("version 1.2.3", None, "1.2"),  # not "1.2" then ".3"
+    ("pages 1,2,3", None, "3"),  # a list, not 123
+    ("so...5", None, "5"),
+    ("#### -$5", "-5", "-5"),
+    ("#### 12345678901234567", "12345678901234567", "12345678901234567"),  # no float rounding
 ])
 def test_answer_extraction(text, strict, flexible):
     assert G.extract_strict(text) == strict
@@ -175,3 +180,77 @@ def test_an_unreachable_server_is_an_error_not_a_traceback(capsys, tmp_path):
     argv = ["--base-url", "http://127.0.0.1:9", "--limit", "1", "--data-path", str(data), "--num-shots", "0"]
     assert G.main(argv) == 2  # nothing listens on port 9
     assert "cannot ask http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_acceptance_is_never_cut_to_the_depth_nor_invented():
+    """A histogram with more bins than the server's depth (an adaptive server) is read whole; a request without its
+    accepted-draft count is left out and counted, not read as zero drafts; one question has no standard error
+    (null in the report, which stays strict JSON)."""
+    deeper = G.spec_from_meta({"spec_verify_ct": 10, "spec_correct_drafts_histogram": [2, 2, 2, 2, 2]})
+    acc = G.acceptance([{"spec": deeper}], 3)
+    assert (acc["verify_steps"], acc["accepted_drafts"], acc["accepted_drafts_per_step"]) == (10, 20, 2.0)
+    unknown = {"verify_steps": 5, "accepted_drafts": None, "histogram_counts": None}
+    known = {"verify_steps": 3, "accepted_drafts": 6, "histogram_counts": None}
+    acc = G.acceptance([{"spec": unknown}, {"spec": known}], 3)
+    assert acc["accepted_drafts_per_step"] == 2.0 and acc["requests_without_draft_counts"] == 1
+    assert acc["standard_error"] is None
+    guessed = G.acceptance([{"spec": {"verify_steps": 4, "accepted_drafts": 4, "histogram_counts": [1, 1, 2]}}], None)
+    assert "draft_acceptance_rate" not in guessed and guessed["depth"] is None
+
+
+def test_report_recounts_from_its_questions(tmp_path):
+    rows = [{"question": "q1", "answer": "#### 3"}, {"question": "q2", "answer": "#### 4"}]
+    results = [{"text": "#### 3", "completion_tokens": 5,
+                "spec": {"verify_steps": 2, "accepted_drafts": 2, "histogram_counts": [1, 0, 1, 0]}},
+               {"text": "#### 5", "completion_tokens": 7,
+                "spec": {"verify_steps": 3, "accepted_drafts": 4, "histogram_counts": [1, 1, 0, 1]}}]
+    per_q = G.per_question(rows, results)
+    arm = G.score(rows, results, 1.0, 3, want_spec=True)["acceptance"]
+    assert sum(q["accepted_drafts"] for q in per_q) / sum(q["verify_steps"] for q in per_q) == \
+        arm["accepted_drafts_per_step"] == 1.2
+    from sglang_ext.core.accounting import accepted_drafts_per_step_se
+
+    assert arm["standard_error"] == accepted_drafts_per_step_se([2, 4], [2, 3])
+
+
+def test_bench_keeps_failed_requests_out_of_the_figures_and_says_so():
+    from eval import bench
+
+    ok = {"start": 0.0, "ttft": 0.1, "latency": 1.1, "completion_tokens": 11, "tpot": 0.1,
+          "spec": {"verify_steps": 5, "accepted_drafts": 5, "histogram_counts": None}}
+    one_token = dict(ok, completion_tokens=1, tpot=None, spec={"verify_steps": 1, "accepted_drafts": None,
+                                                                  "histogram_counts": None})
+    s = bench.summarize([ok, one_token, {"error": "HTTPError: HTTP Error 500"}], 2.0)
+    assert s["requests"] == 2 and s["failed_requests"] == 1 and "500" in s["errors"][0]
+    assert s["tpot_mean_s"] == 0.1 and s["accepted_drafts_per_step"] == 1.0
+    assert bench.one_request("http://127.0.0.1:9", "x", 4, timeout=2)["error"]  # refused: recorded, not raised
+
+
+def test_a_server_that_refuses_a_request_is_not_retried_and_its_message_kept():
+    import http.server
+    import threading
+
+    from sglang_ext.http_client import ServerRefused, post_json
+
+    calls = []
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            calls.append(1)
+            body = b'{"error": "input is longer than the context length"}'
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ServerRefused, match="HTTP 400.*longer than the context"):
+            post_json(f"http://127.0.0.1:{srv.server_port}/v1/chat/completions", {}, retries=3)
+        assert len(calls) == 1
+    finally:
+        srv.shutdown()

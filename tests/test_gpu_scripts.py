@@ -121,6 +121,11 @@ def test_served_acceptance_is_paired_with_the_reference_per_prompt():
                               "prompts": 4, **same})
     assert "within noise" in cell and "4/4 outputs identical" in cell
     assert same_prompts_cell(None) == "-"
+    one = pair_with_reference(ref[:1], ref[:1], eos)  # one prompt: no spread, so no verdict (and no NaN in JSON)
+    assert one["paired_se"] is None and one["within_noise"] is None
+    cell = same_prompts_cell({"server_accepted_drafts_per_step": 1.0, "reference_accepted_drafts_per_step": 1.0,
+                              "prompts": 1, **one})
+    assert "noise unknown" in cell and "OUTSIDE" not in cell and "1/1 outputs identical" in cell
 
 
 def test_compare_tp_reads_deterministic_arms_against_the_deterministic_target():

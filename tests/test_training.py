@@ -80,7 +80,7 @@ def test_data_normalisation_counts_malformed_rows(tmp_path):
     rep = D.LoadReport()
     convs = D.load_source(f"sharegpt:{p}", rep)
     assert [c.id for c in convs] == ["a"] and convs[0].messages[1] == {"role": "assistant", "content": "yo"}
-    assert rep.malformed == 4 and rep.reasons["truncated or invalid JSON array tail"] == 1
+    assert rep.malformed == 4 and rep.reasons["truncated JSON array (the file ends inside a row)"] == 1
     m = tmp_path / "m.jsonl"
     m.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
                  + "\n{broken\n")
@@ -642,3 +642,175 @@ def test_fit_attention_steps_only_where_the_attention_was_not_taken(capsys):
         with pytest.raises(SystemExit):
             parse_args(["--fit-attention-steps", bad])
         assert f"--fit-attention-steps {bad}: a number of steps >= 0 or auto" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ templates and data we did not write
+TEMPLATES = os.path.join(os.path.dirname(__file__), "data", "chat_templates")  # copied from the models' repos
+
+
+def real_template(name: str, bos: str | None = None, eos: str | None = None):
+    tok = tokenizer(open(os.path.join(TEMPLATES, f"{name}.jinja")).read())
+    tok.add_tokens(["<think>", "</think>", "[INST]", "[/INST]"])
+    if bos:
+        tok.bos_token = bos
+    if eos:
+        tok.eos_token = eos
+    return tok
+
+
+U1, A1 = {"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hello there"}
+U2, A2 = {"role": "user", "content": "Two plus two?"}, {"role": "assistant", "content": "Four"}
+
+
+def test_deepseek_r1_is_trained_as_served():
+    """R1's generation prompt opens <think>, which its rendering of a finished turn drops: every conversation used to
+    fail. Now the last turn is rendered as the server saw it: prompt (with <think>), the answer, end of turn."""
+    tok = real_template("deepseek_r1", bos="<｜begin▁of▁sentence｜>")
+    answer = {"role": "assistant", "content": "two and two\n</think>\n\nFour"}  # a server's reply: the opener was in the prompt
+    r = render(tok, [U2, answer], reasoning="keep")
+    assert r.as_served and r.text.endswith("<｜Assistant｜><think>\ntwo and two\n</think>\n\nFour<｜end▁of▁sentence｜>")
+    assert masked_runs(tok, r) == [tok.decode(tok("two and two\n</think>\n\nFour", add_special_tokens=False)
+                                              .input_ids) + "<｜end▁of▁sentence｜>"]
+    r = render(tok, [U2, answer], reasoning="drop")  # the reasoning goes, the answer stays
+    assert masked_runs(tok, r) == ["Four<｜end▁of▁sentence｜>"]
+
+
+@pytest.mark.parametrize("name,msgs,expected", [
+    ("qwen3", [U1, A1, U2, A2], ["Four<|im_end|>"]),  # history loses its think blocks: the last turn, as served
+    ("mistral_v03", [{"role": "system", "content": "Be brief."}, U1, A1, U2, A2], ["Four</s>"]),  # system moves
+    ("qwen3", [U1, A1], ["<think>\n\n</think>\n\nHello there<|im_end|>"]),  # consistent: as before
+])
+def test_templates_that_rewrite_history_train_the_last_turn(name, msgs, expected):
+    tok = real_template(name, bos="<s>" if name == "mistral_v03" else None, eos="</s>" if name == "mistral_v03" else None)
+    r = render(tok, msgs)
+    assert [s.strip() for s in masked_runs(tok, r)] == expected
+    assert r.as_served == (len(msgs) > 2)
+
+
+def test_a_template_that_refuses_a_row_skips_it_not_the_run(tmp_path):
+    """Mixtral's template raises on a system turn: that conversation is skipped and counted, before regeneration."""
+    from training.train_draft import load_conversations, parse_args
+
+    tok = real_template("mixtral", bos="<s>", eos="</s>")
+    p = tmp_path / "m.jsonl"
+    p.write_text("\n".join(json.dumps({"messages": m}) for m in
+                           [[U1, A1], [{"role": "system", "content": "x"}, U2, A2]]) + "\n")
+    args = parse_args(["--data", f"messages:{p}", "--device", "cpu"])
+    convs = load_conversations(args, tok)
+    assert [c.messages for c in convs] == [[U1, A1]]
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        render(tok, [{"role": "system", "content": "x"}, U2, A2])
+    p.write_text(json.dumps({"messages": [{"role": "system", "content": "x"}, U2, A2]}) + "\n")
+    with pytest.raises(SystemExit, match="no conversation to train on.*refused by the chat template"):
+        load_conversations(parse_args(["--data", f"messages:{p}", "--device", "cpu"]), tok)
+
+
+@pytest.mark.parametrize("content,expected", [
+    ("<think>a</think>\n\nFour", "Four"),
+    ("reasoning opened by the prompt\n</think>\n\nFour", "Four"),
+    ("Four <think>cut by the token lim", "Four"),
+    ("<think>only reasoning, cut", ""),
+    ("Four", "Four"),
+])
+def test_reasoning_drop_removes_every_shape_of_reasoning(content, expected):
+    from training.chat import apply_reasoning
+
+    out = apply_reasoning([U2, {"role": "assistant", "content": content, "reasoning_content": "r"}], "drop")
+    assert out[1] == {"role": "assistant", "content": expected}
+
+
+def test_reasoning_keep_passes_the_field_to_a_template_that_renders_it():
+    from training.chat import apply_reasoning
+
+    turn = {"role": "assistant", "content": "Four", "reasoning_content": "two and two"}
+    assert apply_reasoning([U2, turn], "keep", real_template("qwen3"))[1] == turn  # Qwen3 renders the field
+    assert apply_reasoning([U2, turn], "keep", tokenizer(None))[1]["content"] == "<think>two and two</think>Four"
+
+
+def test_server_regeneration_keeps_reasoning_content(monkeypatch):
+    import training.regenerate as R
+
+    sent = []
+
+    def reply(url, body, retries, timeout):
+        sent.append(body["messages"])
+        return {"choices": [{"message": {"role": "assistant", "content": "Four", "reasoning_content": "two and two"}}]}
+
+    monkeypatch.setattr(R, "post_json", reply)
+    reg = R.ServerRegenerator("http://x", options=R.GenerationOptions(16))
+    out = reg._conversation(D.Conversation("1", [U2, {"role": "assistant", "content": "?"}, U1, A1]))
+    assert out.messages[1] == {"role": "assistant", "content": "Four", "reasoning_content": "two and two"}
+    assert sent[1][1] == {"role": "assistant", "content": "Four"}  # history carries the answer, as clients send it
+
+
+def test_conversations_without_ids_from_two_sources_keep_both(tmp_path, tiny_pair):
+    from training.train_draft import load_conversations, parse_args
+
+    _, tok = tiny_pair
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(json.dumps({"messages": [U1, A1]}) + "\n")
+    b.write_text(json.dumps({"messages": [U2, A2]}) + "\n" + json.dumps({"id": None, "messages": [U2, A1]}) + "\n")
+    convs = load_conversations(parse_args(["--data", f"messages:{a}", "--data", f"messages:{b}", "--device", "cpu"]),
+                               tok)
+    assert [c.id for c in convs] == ["0", "0~1", "1"] and [c.messages[0] for c in convs] == [U1, U2, U2]
+
+
+def test_resume_refuses_regenerated_data_from_other_prompts(tiny_pair, tmp_path):
+    target, tok = tiny_pair
+    out = tmp_path / "regen.jsonl"
+    regen = LocalRegenerator(target, tok, GenerationOptions(max_new_tokens=4), batch_size=2)
+    regen.run([D.Conversation("0", [U1, A1])], str(out))
+    with pytest.raises(ValueError, match="other user turns.*new --work"):
+        regen.run([D.Conversation("0", [U2, A2])], str(out))
+
+
+@pytest.mark.parametrize("blob,kept,reason", [
+    (b"\n  " + json.dumps([{"messages": [U1, A1]}]).encode(), 1, None),  # whitespace before the array
+    (b"\xef\xbb\xbf" + json.dumps([{"messages": [U1, A1]}]).encode(), 1, None),  # a byte order mark
+    (b"\xef\xbb\xbf" + json.dumps({"messages": [U1, A1]}).encode() + b"\n", 1, None),  # BOM + JSONL
+    (json.dumps({"messages": [U1, A1]}).encode() + b"\n\xff\xfe\n", 1, "line not UTF-8"),
+    (b'[{"messages": ' + json.dumps([U1, A1]).encode() + b'}, {"id": "z", bad}, {"messages": '
+     + json.dumps([U2, A2]).encode() + b"}]", 2, "invalid JSON row"),  # a broken row mid-array: the rest is read
+])
+def test_files_we_did_not_write(tmp_path, blob, kept, reason):
+    p = tmp_path / "rows.json"
+    p.write_bytes(blob)
+    rep = D.LoadReport()
+    assert len(D.load_source(f"messages:{p}", rep)) == kept
+    assert (reason is None and rep.malformed == 0) or any(r.startswith(reason) for r in rep.reasons)
+
+
+def test_unreadable_files_and_specs_are_refused_by_name(tmp_path):
+    import gzip
+
+    obj = tmp_path / "obj.json"
+    obj.write_text(json.dumps({"data": [{"messages": [U1, A1]}]}, indent=1))
+    with pytest.raises(D.DataSourceError, match=r"one JSON object \(keys \['data'\]\)"):
+        D.load_source(f"messages:{obj}")
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'[{"messages": [{"role": "user", "content": "caf\xe9"}]}]')
+    with pytest.raises(D.DataSourceError, match="not UTF-8"):
+        D.load_source(f"messages:{latin}")
+    gz = tmp_path / "rows.data"  # gzip told by its bytes, not its name
+    gz.write_bytes(gzip.compress((json.dumps({"messages": [U1, A1]}) + "\n").encode()))
+    assert len(D.load_source(f"messages:{gz}")) == 1
+    for spec, match in [("sharegpt:pkg:0", "count 0"), ("hf:", "hf:NAME"), ("hf:NAME:-5", "whole number"),
+                        ("hf:NAME:²", "whole number")]:
+        with pytest.raises(ValueError, match=match):
+            D.parse_spec(spec, check_files=True)
+    with pytest.raises(FileNotFoundError, match="is a directory"):
+        D.parse_spec(f"messages:{tmp_path}", check_files=True)
+    with pytest.raises(FileNotFoundError, match="'-1' is meant as the row count"):
+        D.parse_spec("sharegpt:pkg:-1", check_files=True)
+
+
+def test_openai_rows_normalise():
+    rep = D.LoadReport()
+    msgs = D.normalise([{"role": " Developer", "content": "Be brief."},
+                        {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]},
+                        {"role": "assistant", "content": "hi"}], rep)
+    assert msgs == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"},
+                    {"role": "assistant", "content": "hi"}]
+    assert D.normalise([U1, {"role": "tool", "content": "{}"}], rep) is None
+    assert D.normalise([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, A1], rep) is None
+    assert any("'tool'" in r for r in rep.reasons) and any("image_url" in r for r in rep.reasons)

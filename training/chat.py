@@ -6,6 +6,12 @@ assistant's text starts, and rendered over messages[:i+1] ends where it stops. T
 starts inside [start, stop) are assistant tokens (the end-of-turn token included, the whitespace
 the template puts after it excluded: the model never generates it). ChatML, DeepSeek-V3's and
 Kimi's templates all work the same way.
+
+Some templates render a turn differently once it is history: DeepSeek-R1's generation prompt opens
+`<think>` that the rendered turn does not hold, Qwen3's drops earlier turns' think blocks, Mistral's
+moves the system prompt to the last user turn. For those the conversation is rendered as the server
+saw its last assistant turn: the generation prompt over everything before it, then the turn's text and
+the template's end-of-turn marker (`Rendered.as_served`; earlier turns are context, not trained on).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class Rendered:
     input_ids: list[int]
     loss_mask: list[int]  # 1 on assistant tokens
     spans: list[tuple[int, int]]  # character spans of the assistant turns
+    as_served: bool = False  # the template rewrites history: only the last assistant turn, as the server saw it
 
 
 def require_chat_template(tokenizer) -> None:
@@ -36,54 +43,113 @@ def require_chat_template(tokenizer) -> None:
             "tokenizer.chat_template")
 
 
-def apply_reasoning(messages: list[dict], reasoning: str) -> list[dict]:
-    """reasoning='drop' removes <think>...</think> blocks and `reasoning_content` from assistant turns;
-    'keep' leaves them (a `reasoning_content` field is then prepended as a <think> block)."""
+def strip_reasoning(text: str) -> str:
+    """The answer without its reasoning: closed <think> blocks; everything up to a `</think>` whose opener was in
+    the prompt (DeepSeek-R1, Qwen3-Thinking and Kimi-K2.5 generation prompts open `<think>` themselves); and an
+    unterminated `<think>` tail (an answer cut by the token limit while still reasoning)."""
+    text = THINK.sub("", text)
+    if "</think>" in text:
+        text = text[text.rindex("</think>") + len("</think>"):].lstrip()
+    if "<think>" in text:
+        text = text[: text.index("<think>")].rstrip()
+    return text
+
+
+def renders_reasoning_field(tokenizer) -> bool:
+    """Whether the template renders an assistant turn's `reasoning_content` itself (Qwen3, Kimi-K2-Thinking)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "reasoning_content" in template
+
+
+def apply_reasoning(messages: list[dict], reasoning: str, tokenizer=None) -> list[dict]:
+    """reasoning='drop' removes the reasoning (`strip_reasoning`, and `reasoning_content`) from assistant turns;
+    'keep' leaves it: a `reasoning_content` field goes to a template that renders it, else it is prepended to
+    the content as a <think> block."""
     if reasoning not in ("drop", "keep"):
         raise ValueError(f"reasoning={reasoning!r}: use 'drop' or 'keep'")
+    native = tokenizer is not None and renders_reasoning_field(tokenizer)
     out = []
     for m in messages:
         m = dict(m)
         if m["role"] == "assistant":
             rc = m.pop("reasoning_content", None)
             if reasoning == "drop":
-                m["content"] = THINK.sub("", m["content"])
+                m["content"] = strip_reasoning(m["content"])
+            elif rc and native:
+                m["reasoning_content"] = rc
             elif rc:
                 m["content"] = f"<think>{rc}</think>{m['content']}"
         out.append(m)
     return out
 
 
-def render(tokenizer, messages: list[dict], reasoning: str = "drop", max_tokens: int | None = None) -> Rendered:
-    require_chat_template(tokenizer)
-    messages = apply_reasoning(messages, reasoning)
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
+def apply_template(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The template's text; a template that refuses the conversation (Gemma on a system turn, Mixtral on roles
+    that do not alternate) raises ChatTemplateError with its own message, which callers count per row."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except ChatTemplateError:
+        raise
+    except Exception as e:  # jinja2's TemplateError (raise_exception), or a template indexing a missing field
+        raise ChatTemplateError(f"the chat template refused the conversation: {type(e).__name__}: {e}") from e
+
+
+def end_of_turn(tokenizer) -> str:
+    """What the template writes after an assistant turn's text, less trailing whitespace (ChatML's <|im_end|>,
+    DeepSeek's <｜end▁of▁sentence｜>, Llama-3's <|eot_id|>); the EOS token when it writes nothing."""
+    probe = "sglang-ext-probe-7f3a"
+    text = apply_template(tokenizer, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}])
+    tail = text[text.rindex(probe) + len(probe):].rstrip() if probe in text else ""
+    return tail or (getattr(tokenizer, "eos_token", None) or "")
+
+
+def _consistent_spans(tokenizer, messages: list[dict], full: str) -> list[tuple[int, int]] | None:
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        pre = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        pre = apply_template(tokenizer, messages[:i], add_generation_prompt=True)
+        upto = apply_template(tokenizer, messages[: i + 1])
         if not (full.startswith(pre) and full.startswith(upto) and len(upto) >= len(pre)):
-            raise ChatTemplateError("the chat template does not render conversations prefix-consistently "
-                                    f"(assistant turn {i}); cannot locate assistant tokens")
+            return None
         spans.append((len(pre), len(upto)))
+    return spans
+
+
+def render(tokenizer, messages: list[dict], reasoning: str = "drop", max_tokens: int | None = None) -> Rendered:
+    require_chat_template(tokenizer)
+    messages = apply_reasoning(messages, reasoning, tokenizer)
+    full = apply_template(tokenizer, messages)
+    spans, as_served = _consistent_spans(tokenizer, messages, full), False
+    if spans is None:  # the template rewrites history (module docstring): the last turn as the server saw it
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        if last is None:
+            raise ChatTemplateError("the conversation has no assistant turn")
+        pre = apply_template(tokenizer, messages[:last], add_generation_prompt=True)
+        turn = messages[last]
+        text = turn["content"]
+        if turn.get("reasoning_content"):  # kept, for a template that renders the field: as the model wrote it
+            text = f"<think>\n{turn['reasoning_content']}\n</think>\n\n{text}"
+        full = pre + text + end_of_turn(tokenizer)
+        spans, as_served = [(len(pre), len(full))], True
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     mask = [0] * len(ids)
     for start, stop in spans:
-        inside = [j for j, (a, b) in enumerate(offsets) if start <= a < stop]
+        # a token straddling the start (a prompt ending in a space, "Assistant: " + "Hello" -> " Hello") carries
+        # the answer's first characters: trained on, not lost
+        inside = [j for j, (a, b) in enumerate(offsets) if start <= a < stop or (a < start < b)]
         while inside and not full[offsets[inside[-1]][0]:offsets[inside[-1]][1]].strip():
             inside.pop()  # the template's whitespace after the end-of-turn token
         for j in inside:
             mask[j] = 1
     if max_tokens is not None:
         ids, mask = ids[:max_tokens], mask[:max_tokens]
-    return Rendered(full, ids, mask, spans)
+    return Rendered(full, ids, mask, spans, as_served)
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a chat prompt (generation prompt appended), as a server would build them."""
     require_chat_template(tokenizer)
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = apply_template(tokenizer, messages, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Iterable, Iterator
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-            "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+            "bing": "assistant", "bard": "assistant", "model": "assistant", "bot": "assistant", "ai": "assistant",
+            "system": "system", "developer": "system"}  # developer: OpenAI's newer name for the system turn
 
 
 @dataclasses.dataclass
@@ -37,8 +39,25 @@ class LoadReport:
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
 
 
+def _text(content) -> str | None:
+    """A turn's text: a string, or OpenAI content parts that are all text (joined); None otherwise."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    return None
+
+
+def _describe(value) -> str:
+    if isinstance(value, list) and value and isinstance(value[0], dict) and "type" in value[0]:
+        return "content parts of types " + str(sorted({str(p.get("type")) for p in value if isinstance(p, dict)}))
+    return type(value).__name__
+
+
 def normalise(raw_messages, report: LoadReport) -> list[dict] | None:
-    """ShareGPT {"from","value"} or {"role","content"} turns -> messages, or None (counted)."""
+    """ShareGPT {"from","value"} or {"role","content"} turns -> messages, or None (counted, the reason naming the
+    role or value). An assistant turn keeps a `reasoning_content` string (chat.apply_reasoning decides)."""
     if not isinstance(raw_messages, list) or not raw_messages:
         report.skip("no messages")
         return None
@@ -47,19 +66,29 @@ def normalise(raw_messages, report: LoadReport) -> list[dict] | None:
         if not isinstance(m, dict):
             report.skip("turn is not an object")
             return None
-        role = ROLE_MAP.get(str(m.get("role", m.get("from", ""))).lower())
-        content = m.get("content", m.get("value"))
-        if role is None or not isinstance(content, str):
-            report.skip("unknown role or non-text content")
+        raw_role = m.get("role", m.get("from", ""))
+        role = ROLE_MAP.get(str(raw_role).strip().lower())
+        if role is None:
+            report.skip(f"role {str(raw_role)[:40]!r} (tool and function turns are not trained on)")
+            return None
+        raw = m.get("content", m.get("value"))
+        content = _text(raw)
+        if content is None:
+            report.skip(f"{role} turn whose content is {_describe(raw)}, not text")
             return None
         if out and out[-1]["role"] == role and role != "system":
             report.skip("two turns of the same role in a row")
             return None
-        out.append({"role": role, "content": content})
-    if out[0]["role"] == "system":
-        body = out[1:]
-    else:
-        body = out
+        turn = {"role": role, "content": content}
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str) and m["reasoning_content"]:
+            turn["reasoning_content"] = m["reasoning_content"]
+        out.append(turn)
+    body = out
+    while body and body[0]["role"] == "system":
+        body = body[1:]
+    if len(body) < len(out) - 1:
+        report.skip("more than one system turn")
+        return None
     if not body or body[0]["role"] != "user":
         report.skip("does not start with a user turn")
         return None
@@ -69,9 +98,10 @@ def normalise(raw_messages, report: LoadReport) -> list[dict] | None:
     return out
 
 
-def iter_json_array(text: str) -> Iterator[object]:
-    """Objects of a JSON array, one by one; stops quietly at a truncated tail (raises ValueError
-    carrying how far it got, so the caller can count the broken record)."""
+def iter_json_array(text: str, report: LoadReport | None = None) -> Iterator[object]:
+    """Objects of a JSON array, one by one. A row that is not valid JSON is skipped and counted, reading on from
+    the next row (the next `{` after a comma that decodes); a truncated tail (the file ends inside a row, like the
+    packaged ShareGPT file) is counted as one row. Without a report, invalid JSON raises ValueError."""
     dec = json.JSONDecoder()
     i = text.index("[") + 1
     n = len(text)
@@ -79,33 +109,99 @@ def iter_json_array(text: str) -> Iterator[object]:
         while i < n and text[i] in " \t\r\n,":
             i += 1
         if i >= n:
-            raise ValueError("unterminated array")
+            if report is None:
+                raise ValueError("unterminated array")
+            report.skip("truncated JSON array (the file ends inside a row)")
+            return
         if text[i] == "]":
             return
-        obj, i = dec.raw_decode(text, i)
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            if report is None:
+                raise ValueError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+            nxt = _next_row(text, dec, i + 1)
+            if nxt is None:
+                report.skip("truncated JSON array (the file ends inside a row)")
+                return
+            report.skip(f"invalid JSON row (line {e.lineno}: {e.msg}); read on from the next row")
+            i = nxt
+            continue
         yield obj
 
 
+def _next_row(text: str, dec: json.JSONDecoder, i: int) -> int | None:
+    """Where the next array row starts after a broken one: a `{` after a comma that decodes to an object."""
+    while True:
+        j = text.find(",", i)
+        if j < 0:
+            return None
+        k = j + 1
+        while k < len(text) and text[k] in " \t\r\n":
+            k += 1
+        if k < len(text) and text[k] == "{":
+            try:
+                dec.raw_decode(text, k)
+                return k
+            except json.JSONDecodeError:
+                pass
+        i = j + 1
+
+
 def _rows_from_file(path: str, report: LoadReport) -> Iterator[object]:
+    """Rows of a JSON array or a JSONL file, gzip-compressed or not (told by its first bytes, not its name),
+    with or without a UTF-8 byte order mark."""
     import gzip
 
-    opener = gzip.open if path.endswith(".gz") else open  # a JSON/JSONL file, optionally gzip-compressed
-    with opener(path, "rt", encoding="utf-8") as f:
-        head = f.read(1)
-        f.seek(0)
-        if head == "[":
-            try:
-                yield from iter_json_array(f.read())
-            except ValueError:
-                report.skip("truncated or invalid JSON array tail")
-            return
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                report.skip("invalid JSON line")
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    with (gzip.open if magic == b"\x1f\x8b" else open)(path, "rb") as f:
+        blob = f.read()
+    if blob.startswith(b"\xef\xbb\xbf"):
+        blob = blob[3:]
+    first = blob.lstrip()[:1]
+    if first == b"[":
+        try:
+            text = blob.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 (byte {e.start}: {blob[e.start:e.start + 1]!r}); re-encode the file "
+                             "as UTF-8") from None
+        yield from iter_json_array(text, report)
+        return
+    lines = blob.splitlines()
+    for k, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            report.skip("line not UTF-8")
+            continue
+        except json.JSONDecodeError:
+            if k == 0 and first == b"{":  # one JSON object over several lines, not JSONL
+                try:
+                    whole = json.loads(blob.decode("utf-8", errors="replace"))
+                except json.JSONDecodeError:
+                    whole = None
+                if isinstance(whole, dict):
+                    raise ValueError(f"{path}: one JSON object (keys {sorted(whole)[:8]}), not rows; give a JSON array "
+                                     "of rows or JSONL (one row per line), e.g. the list under one of those keys") from None
+            report.skip("invalid JSON line")
+            continue
+        if k == 0 and len(lines) == 1 and isinstance(row, dict) and not _row_kind(row):
+            lists = sorted(key for key, v in row.items() if isinstance(v, list))
+            if lists:
+                raise ValueError(f"{path}: one JSON object (keys {sorted(row)[:8]}), not rows; give a JSON array of rows "
+                                 f"or JSONL (one row per line), e.g. the list under {lists[0]!r}")
+        yield row
+
+
+def _row_kind(row: dict) -> str | None:
+    if "messages" in row or "conversations" in row:
+        return "messages"
+    if "question" in row:
+        return "gsm8k"
+    return None
 
 
 def sharegpt_package_path() -> str:
@@ -121,38 +217,84 @@ def _conversation(row, idx: int, report: LoadReport) -> Conversation | None:
     if not isinstance(row, dict):
         report.skip("row is not an object")
         return None
-    if "question" in row and "messages" not in row and "conversations" not in row:  # GSM8K
+    rid = row.get("id")
+    if rid is None:
+        rid = row.get("prompt_id")
+    if _row_kind(row) == "gsm8k":
         q = row.get("question")
         if not isinstance(q, str):
             report.skip("gsm8k row without a question")
             return None
         # the assistant turn is a placeholder: regeneration replaces it with the target's answer
-        return Conversation(str(row.get("id", f"gsm8k-{idx}")), [{"role": "user", "content": q},
-                                                                  {"role": "assistant", "content": row.get("answer", "")}])
+        answer = row.get("answer") if isinstance(row.get("answer"), str) else ""
+        return Conversation(str(rid) if rid is not None else f"gsm8k-{idx}",
+                            [{"role": "user", "content": q}, {"role": "assistant", "content": answer}])
+    if _row_kind(row) is None:
+        report.skip(f"no messages (row keys {sorted(map(str, row))[:6]})")
+        return None
     msgs = normalise(row.get("conversations", row.get("messages")), report)
     if msgs is None:
         return None
-    return Conversation(str(row.get("id", row.get("prompt_id", idx))), msgs)
+    return Conversation(str(rid) if rid is not None else str(idx), msgs)
+
+
+COUNT = re.compile(r"[0-9]+")
 
 
 def parse_spec(spec: str, check_files: bool = False) -> tuple[str, str, int | None]:
     """(kind, where, limit) of a source spec; `check_files`: a local file it names must exist (checked at
     option parsing, before any model loads)."""
+    if not isinstance(spec, str):
+        raise ValueError(f"data source {spec!r}: a string kind:where[:count], e.g. sharegpt:pkg:200")
     parts = spec.split(":")
     kind = parts[0]
-    limit = None
-    if len(parts) >= 3 and parts[-1].isdigit():
-        limit = int(parts[-1])
-        parts = parts[:-1]
-    where = ":".join(parts[1:])
     if kind not in ("sharegpt", "messages", "gsm8k", "hf"):
         raise ValueError(f"data source {spec!r}: kind {kind!r} unknown; use sharegpt:, messages:, gsm8k: or hf:")
+    limit = None
+    if len(parts) >= 3 and COUNT.fullmatch(parts[-1]):
+        limit = int(parts[-1])
+        parts = parts[:-1]
+        if limit < 1:
+            raise ValueError(f"data source {spec!r}: count {limit}; keep at least 1 row (leave the count out for all)")
+    where = ":".join(parts[1:])
+    tail = parts[-1] if len(parts) >= 3 else None  # a count that is not a whole number, or part of a path
+    bad_count = (f"; if {tail!r} is meant as the row count, give a whole number >= 1" if tail is not None else "")
+    if kind == "hf" and (not where or tail is not None):
+        raise ValueError(f"data source {spec!r}: hf:NAME[:count] with a `datasets` name (e.g. "
+                         f"hf:HuggingFaceH4/ultrachat_200k:500){bad_count}")
     local = kind in ("sharegpt", "messages") or (kind == "gsm8k" and where not in ("", "openai/gsm8k"))
     if check_files and local:
         path = sharegpt_package_path() if kind == "sharegpt" and where in ("", "pkg") else where
-        if not path or not os.path.exists(path):
-            raise FileNotFoundError(f"data source {spec!r}: {path or '(no path)'} does not exist")
+        if not path or not os.path.isfile(path):
+            what = "is a directory, not a file" if path and os.path.isdir(path) else "does not exist"
+            raise FileNotFoundError(f"data source {spec!r}: {path or '(no path)'} {what}{bad_count}")
     return kind, where, limit
+
+
+def _load_dataset(spec: str, *args, **kw):
+    """`datasets.load_dataset`, its failure (no network, no such dataset) told in one line."""
+    try:
+        import datasets
+
+        return datasets.load_dataset(*args, **kw)
+    except Exception as e:
+        raise DataSourceError(f"data source {spec!r}: `datasets` could not load {args[0]!r} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); offline, give a local file instead "
+                              "(messages:FILE, sharegpt:FILE, gsm8k:FILE)") from None
+
+
+class DataSourceError(ValueError):
+    pass
+
+
+def _named_errors(spec: str, rows: Iterator[object]) -> Iterator[object]:
+    """The rows, read lazily (a count stops reading early); a file that cannot be read as rows says which source."""
+    try:
+        yield from rows
+    except DataSourceError:
+        raise
+    except ValueError as e:
+        raise DataSourceError(f"data source {spec!r}: {e}") from None
 
 
 def load_source(spec: str, report: LoadReport | None = None) -> list[Conversation]:
@@ -160,19 +302,15 @@ def load_source(spec: str, report: LoadReport | None = None) -> list[Conversatio
     report = report if report is not None else LoadReport()
     kind, where, limit = parse_spec(spec)
     if kind == "hf":
-        import datasets
-
-        rows: Iterable = datasets.load_dataset(where, split="train_sft" if "ultrachat" in where else "train",
-                                               streaming=True)
+        rows: Iterable = _load_dataset(spec, where, split="train_sft" if "ultrachat" in where else "train",
+                                       streaming=True)
     elif kind == "gsm8k" and where in ("", "openai/gsm8k"):
-        import datasets
-
-        rows = datasets.load_dataset("openai/gsm8k", "main", split="train")
+        rows = _load_dataset(spec, "openai/gsm8k", "main", split="train")
     else:
         path = sharegpt_package_path() if where in ("", "pkg") else where
-        if not os.path.exists(path):
+        if not os.path.isfile(path):
             raise FileNotFoundError(f"data source {spec!r}: {path} does not exist")
-        rows = _rows_from_file(path, report)
+        rows = _named_errors(spec, _rows_from_file(path, report))
     out = []
     for i, row in enumerate(rows):
         if limit is not None and len(out) >= limit:
@@ -183,6 +321,22 @@ def load_source(spec: str, report: LoadReport | None = None) -> list[Conversatio
             out.append(conv)
             report.kept += 1
     return out
+
+
+def unique_ids(convs: list[Conversation]) -> tuple[list[Conversation], int]:
+    """Conversations whose ids repeat (two files without ids both number their rows from 0) renamed `<id>~<k>`, so
+    that regeneration, which writes and resumes by id, keeps each; the first of each id keeps it. -> (convs, renamed)"""
+    seen, out, renamed = set(), [], 0
+    for c in convs:
+        cid, k = c.id, 1
+        while cid in seen:
+            cid, k = f"{c.id}~{k}", k + 1
+        if cid != c.id:
+            renamed += 1
+            c = Conversation(cid, c.messages)
+        seen.add(cid)
+        out.append(c)
+    return out, renamed
 
 
 def first_turn(conv: Conversation) -> Conversation:

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from sglang_ext.core.capture import AuxCapture
-from training.chat import render
+from training.chat import ChatTemplateError, render
 from training.data import Conversation
 
 MANIFEST = "manifest.json"
@@ -55,10 +55,17 @@ def cut_by_length(ascending: list[int], length, budget: int) -> list[list[int]]:
     return out + ([cur] if cur else [])
 
 
+def _render_or_none(tok, conv: Conversation, reasoning: str, max_tokens: int):
+    try:
+        return render(tok, conv.messages, reasoning, max_tokens)
+    except ChatTemplateError:  # a row the template refuses is skipped (counted by the callers), not fatal
+        return None
+
+
 def rendered_trainable(tok, convs: list[Conversation], reasoning: str, max_tokens: int):
     """(renderings, indices of those with something to train on): the one rule both extractors apply."""
-    rendered = [render(tok, c.messages, reasoning, max_tokens) for c in convs]
-    return rendered, [i for i, r in enumerate(rendered) if sum(r.loss_mask) and len(r.input_ids) >= 4]
+    rendered = [_render_or_none(tok, c, reasoning, max_tokens) for c in convs]
+    return rendered, [i for i, r in enumerate(rendered) if r is not None and sum(r.loss_mask) and len(r.input_ids) >= 4]
 
 
 class FeatureExtractor:
@@ -230,6 +237,7 @@ def write_shards(extractor: FeatureExtractor, convs: list[Conversation], out_dir
             if records:
                 save_file(_pack(records), os.path.join(out_dir, name))
                 manifest["shards"].append({"file": name, "records": len(records), "conversations": key,
+                                           "ids": [c.id for c, f in zip(chunk, found) if f is not None],
                                            "tokens": int(sum(len(r.input_ids) for r in records))})
             with open(path + ".tmp", "w") as fh:
                 json.dump(manifest, fh, indent=1)
@@ -240,6 +248,16 @@ def write_shards(extractor: FeatureExtractor, convs: list[Conversation], out_dir
 def _conversations_key(chunk: list[Conversation]) -> str:
     """Which conversations, in which order, a shard was captured from."""
     return hashlib.sha256("\n".join(c.id for c in chunk).encode()).hexdigest()[:16]
+
+
+def records_of(out_dir: str, ids: set[str]) -> int | None:
+    """How many records the shards hold of these conversations (None: a manifest from before shards named them).
+    Shards keep the conversations' order, so held-out conversations first means their records first -- but a
+    conversation with nothing to train on has no record, and counting conversations would shift the split."""
+    manifest = json.load(open(os.path.join(out_dir, MANIFEST)))
+    if any("ids" not in s for s in manifest["shards"]):
+        return None
+    return sum(cid in ids for s in manifest["shards"] for cid in s["ids"])
 
 
 def read_shards(out_dir: str) -> list[Features]:

@@ -44,6 +44,22 @@ def load_done(path: str) -> dict[str, Conversation]:
     return done
 
 
+def _context(messages: list[dict]) -> list[tuple]:
+    """What regeneration keeps of a conversation: every turn but the assistant's answers."""
+    return [(m["role"], m["content"]) for m in messages if m["role"] != "assistant"]
+
+
+def resumable(done: dict[str, Conversation], convs: list[Conversation], path: str) -> None:
+    """Refuse to resume from a file whose conversation of the same id was regenerated from other user turns (the
+    data changed under the same --work): training would silently take the old data."""
+    for c in convs:
+        old = done.get(c.id)
+        if old is not None and _context(old.messages) != _context(c.messages):
+            raise ValueError(f"{path} holds conversation {c.id!r} regenerated from other user turns than the data gives "
+                             "now (the data changed under the same --work); use a new --work directory, or delete "
+                             f"{path} to regenerate")
+
+
 def _write(f, conv: Conversation) -> None:
     f.write(json.dumps({"id": conv.id, "messages": conv.messages}) + "\n")
     f.flush()
@@ -70,6 +86,7 @@ class LocalRegenerator:
 
     def run(self, convs: list[Conversation], out_path: str) -> list[Conversation]:
         done = load_done(out_path)
+        resumable(done, convs, out_path)
         todo = [c for c in convs if c.id not in done]
         work = {c.id: [m for m in c.messages] for c in todo}
         n_turns = max((sum(m["role"] == "assistant" for m in c.messages) for c in todo), default=0)
@@ -104,23 +121,31 @@ class ServerRegenerator:
         self.model, self.opt = model, options or GenerationOptions()
         self.concurrency, self.retries, self.timeout = concurrency, retries, timeout
 
-    def _complete(self, messages: list[dict]) -> str:
-        r = post_json(self.url, {"model": self.model, "messages": messages, "max_tokens": self.opt.max_new_tokens,
+    def _complete(self, messages: list[dict]) -> dict:
+        """The answer as an assistant turn; with a server's reasoning parser, its `reasoning_content` too (chat.py's
+        --reasoning keep/drop decides; the answer sent back as history is the content alone, as clients do)."""
+        history = [{"role": m["role"], "content": m["content"]} for m in messages]
+        r = post_json(self.url, {"model": self.model, "messages": history, "max_tokens": self.opt.max_new_tokens,
                                  "temperature": self.opt.temperature, "top_p": self.opt.top_p},
                       self.retries, self.timeout)
-        return r["choices"][0]["message"]["content"] or ""
+        msg = r["choices"][0]["message"]
+        turn = {"role": "assistant", "content": msg.get("content") or ""}
+        if msg.get("reasoning_content"):
+            turn["reasoning_content"] = msg["reasoning_content"]
+        return turn
 
     def _conversation(self, conv: Conversation) -> Conversation:
         msgs = []
         for m in conv.messages:
             if m["role"] == "assistant":
-                msgs.append({"role": "assistant", "content": self._complete(msgs)})
+                msgs.append(self._complete(msgs))
             else:
                 msgs.append(dict(m))
         return Conversation(conv.id, msgs)
 
     def run(self, convs: list[Conversation], out_path: str) -> list[Conversation]:
         done = load_done(out_path)
+        resumable(done, convs, out_path)
         todo = [c for c in convs if c.id not in done]
         with open(out_path, "a") as f, concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool, \
                 tqdm(total=len(todo), desc="regenerate (server)", unit="conv", mininterval=5) as bar:

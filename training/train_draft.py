@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -26,8 +27,9 @@ from sglang_ext.core.decoder import ReferenceDecoder
 from sglang_ext.core.heads import Eagle3Head, head_config_for
 from sglang_ext.core.targets import load_target, load_target_weights, load_tokenizer
 from training import data as data_mod
-from training.chat import prompt_ids, require_chat_template
-from training.features import FeatureExtractor, ServerFeatureExtractor, online, read_shards, write_shards
+from training.chat import ChatTemplateError, apply_template, prompt_ids, require_chat_template
+from training.features import (FeatureExtractor, ServerFeatureExtractor, online, read_shards, records_of,
+                               write_shards)
 from training.regenerate import GenerationOptions, LocalRegenerator, ServerRegenerator
 from training.trainer import (
     TrainConfig,
@@ -154,6 +156,8 @@ def parse_args(argv=None):
         args.batch_tokens = 0 if cpu else 16384
     if args.draft_vocab_size is None:
         args.draft_vocab_size = 4096 if cpu else 32000
+    if isinstance(args.data, str):  # a YAML config's `data: spec`
+        args.data = [args.data]
     if not args.data:
         args.data = ["sharegpt:pkg:60", f"gsm8k:{default_gsm8k('train')}:240"]
     for spec in args.data:  # a typo in a source is refused here, not after the target has loaded
@@ -161,6 +165,9 @@ def parse_args(argv=None):
             data_mod.parse_spec(spec)
         except ValueError as e:
             ap.error(f"--data {e}")
+    if args.eval_prompts < 0 or args.eval_max_new_tokens < 1:
+        ap.error(f"--eval-prompts {args.eval_prompts} / --eval-max-new-tokens {args.eval_max_new_tokens}: prompts >= 0 "
+                 "(0: no estimate) and at least 1 new token")
     if args.regen_samples < 1:
         ap.error(f"--regen-samples {args.regen_samples}: at least 1 (the one response at --temperature)")
     if not 0.0 <= args.weight_decay < 1.0:
@@ -226,9 +233,12 @@ def acceptance_estimate(target, head, prompts, steps, max_new_tokens, eos) -> di
         per_prompt.append({"verify_steps": g.stats.verify_steps, "accepted_drafts": g.stats.accepted_drafts,
                            "finish_reason": g.finish_reason, "output_ids": g.tokens})
     dec.close()
+    if stats is None or stats.verify_steps == 0:  # no prompt, or every one ended at its first token
+        return {"accepted_drafts_per_step": None, "verify_steps": 0, "standard_error": None,
+                "per_prompt": per_prompt, "note": "no verify steps: nothing to estimate from"}
     out = stats.to_dict()
-    out["standard_error"] = accepted_drafts_per_step_se([r["accepted_drafts"] for r in per_prompt],
-                                                        [r["verify_steps"] for r in per_prompt])
+    se = accepted_drafts_per_step_se([r["accepted_drafts"] for r in per_prompt], [r["verify_steps"] for r in per_prompt])
+    out["standard_error"] = None if math.isnan(se) else se  # one prompt: none (JSON has no NaN)
     out["per_prompt"] = per_prompt
     return out
 
@@ -301,6 +311,11 @@ def main(argv=None) -> int:
           + (f"; rank {rank} of {world}" if world > 1 else ""))
     tok = load_tokenizer(args.target)
     require_chat_template(tok)
+    try:  # bad data is refused before the target loads
+        convs = load_conversations(args, tok) if rank == 0 else None
+    except data_mod.DataSourceError as e:
+        print(f"python -m training.train_draft: error: --data {e}", file=sys.stderr)
+        return 2
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.target_weights_only:
         from transformers import AutoConfig
@@ -317,7 +332,7 @@ def main(argv=None) -> int:
     aux_ids = aux_layer_ids(args, n_layers)
     feat_dir = os.path.join(args.work, "features")
     if rank == 0:
-        records, records_held = prepare_features(args, tok, target, aux_ids, device, feat_dir)
+        records, records_held = prepare_features(args, tok, target, aux_ids, device, feat_dir, convs)
     if wait_group is not None:
         import torch.distributed as dist
 
@@ -347,25 +362,51 @@ def extra_samples(convs: list, samples: int) -> list:
     return [data_mod.Conversation(f"{c.id}#s{j}", c.messages) for j in range(1, samples) for c in convs]
 
 
-def prepare_features(args, tok, target, aux_ids, device, feat_dir):
-    """Steps 1-3 (data, regeneration, features) -> (train records, held-out records)."""
-    # 1. data
+def load_conversations(args, tok) -> list:
+    """Step 1, before the target loads: the sources read (malformed rows skipped and counted), ids made unique,
+    conversations the chat template refuses or whose first prompt is too long skipped and counted; no conversation
+    left is an error naming why."""
     report = data_mod.LoadReport()
     convs = []
     for spec in args.data:
         convs += data_mod.load_source(spec, report)
+    convs, renamed = data_mod.unique_ids(convs)
+    if renamed:
+        print(f"[train-draft] {renamed} conversations had an id another one already had (sources without ids number "
+              "their rows from 0): renamed <id>~<k>")
     if args.turns == "first":
         convs = [data_mod.first_turn(c) for c in convs]
-    n_before = len(convs)
-    convs = [c for c in convs if len(prompt_ids(tok, c.messages[:next(i for i, m in enumerate(c.messages)
-                                                                       if m["role"] == "assistant")]))
-             <= args.max_prompt_tokens]
-    if len(convs) < n_before:
-        print(f"[train-draft] skipped {n_before - len(convs)} conversations whose first prompt exceeds "
-              f"{args.max_prompt_tokens} tokens")
+    kept, refused, too_long = [], {}, 0
+    for c in convs:  # the template is tried on every conversation now, not after regeneration
+        first = next(i for i, m in enumerate(c.messages) if m["role"] == "assistant")
+        try:
+            n_prompt = len(prompt_ids(tok, c.messages[:first]))
+            apply_template(tok, c.messages)
+        except ChatTemplateError as e:
+            reason = str(e)[:160]
+            refused[reason] = refused.get(reason, 0) + 1
+            continue
+        if n_prompt > args.max_prompt_tokens:
+            too_long += 1
+            continue
+        kept.append(c)
     print(f"[train-draft] data: read {report.read} rows, kept {report.kept}, skipped {report.malformed} malformed "
           f"{report.reasons or ''}")
+    if too_long:
+        print(f"[train-draft] skipped {too_long} conversations whose first prompt exceeds {args.max_prompt_tokens} "
+              "tokens")
+    if refused:
+        print(f"[train-draft] skipped {sum(refused.values())} conversations the chat template refused: {refused}")
+    if not kept:
+        raise SystemExit(f"python -m training.train_draft: error: no conversation to train on from --data {args.data}: "
+                         f"{report.read} rows read, {report.malformed} malformed {report.reasons or ''}, "
+                         f"{too_long} over --max-prompt-tokens {args.max_prompt_tokens}, "
+                         f"{sum(refused.values())} refused by the chat template {refused or ''}")
+    return kept
 
+
+def prepare_features(args, tok, target, aux_ids, device, feat_dir, convs):
+    """Steps 2-3 (regeneration, features) of the loaded conversations -> (train records, held-out records)."""
     # 2. regenerate with the target
     regen_path = os.path.join(args.work, "regenerated.jsonl")
 
@@ -399,11 +440,17 @@ def prepare_features(args, tok, target, aux_ids, device, feat_dir):
     if args.features == "offline":
         write_shards(extractor, convs, feat_dir, meta={"target": args.target, "aux_output_ids": aux_ids})
         records = read_shards(feat_dir)
-        records_held, records = records[:held], records[held:]
+        n_held = records_of(feat_dir, {c.id for c in held_convs})
+        n_held = held if n_held is None else n_held
+        records_held, records = records[:n_held], records[n_held:]
     else:
         records = list(online(extractor, train_convs))
         records_held = list(online(extractor, held_convs))
     extractor.close()
+    if not records:
+        raise SystemExit(f"python -m training.train_draft: error: none of the {len(train_convs)} regenerated training "
+                         "conversations has an assistant token to train on (empty answers, or all cut by --max-tokens "
+                         f"{args.max_tokens}); see {regen_path}")
     n_tok = sum(len(r.input_ids) for r in records)
     print(f"[train-draft] features: {len(records)} train / {len(records_held)} held-out conversations, "
           f"{n_tok} tokens, aux layers {aux_ids}, in {time.time() - t:.0f}s")
@@ -498,16 +545,20 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
         json.dump(result, f, indent=1)
     print(f"[train-draft] exported {args.out} ({cfg.architecture}); held-out per-step accuracy "
           f"{[round(a, 3) for a in held_acc]}")
-    if est is None:
+    if est is not None and est["accepted_drafts_per_step"] is None:
+        line = f"[train-draft] no acceptance estimate: {est['note']} ({len(prompts)} prompts)"
+    elif est is None:
         line = ("[train-draft] no acceptance estimate (--target-weights-only: the reference decoder needs the whole "
                 "target); serve the head and run `python -m eval.gsm8k --base-url ...` for its acceptance")
     else:
         line = (f"[train-draft] acceptance on {len(prompts)} held-out GSM8K chat prompts (chain, {args.eval_steps} "
                 f"steps, greedy): accepted drafts per step {est['accepted_drafts_per_step']:.3f} (standard error "
-                f"across prompts {est['standard_error']:.3f}), per position "
+                f"across prompts {'-' if est['standard_error'] is None else format(est['standard_error'], '.3f')}), "
+                "per position "
                 f"{[round(x, 3) for x in est['per_position_acceptance']]}")
     if untrained:
-        line += f"; untrained head {untrained['accepted_drafts_per_step']:.3f}"
+        u = untrained["accepted_drafts_per_step"]
+        line += f"; untrained head {'-' if u is None else format(u, '.3f')}"
     print(line)
     print(f"[train-draft] done in {time.time() - t0:.0f}s (export and estimates {time.time() - t_post:.0f}s)")
     return 0

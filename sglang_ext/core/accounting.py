@@ -19,7 +19,16 @@ completion_tokens = sum over steps of (a + 1) + 1, the last 1 being the token pr
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Iterable
+
+
+def _whole(x) -> bool:
+    """A count: >= 0 and integral (Python, numpy or 0-d torch integers alike; not a float or a bool)."""
+    try:
+        return not isinstance(x, bool) and operator.index(x) >= 0
+    except TypeError:
+        return False
 
 
 @dataclasses.dataclass
@@ -28,6 +37,10 @@ class AcceptanceStats:
     histogram_counts: list[int] = dataclasses.field(default_factory=list)  # [j] = steps with a == j
 
     def __post_init__(self):
+        if not _whole(self.depth):
+            raise ValueError(f"depth={self.depth!r}: a whole number of draft steps >= 0")
+        if not all(_whole(c) for c in self.histogram_counts):
+            raise ValueError(f"histogram_counts={self.histogram_counts}: counts of verify steps, whole numbers >= 0")
         if not self.histogram_counts:
             self.histogram_counts = [0] * (self.depth + 1)
         if len(self.histogram_counts) != self.depth + 1:
@@ -160,6 +173,10 @@ def accepted_drafts_from_sglang_accept_length(accept_length: float) -> float:
 # part under bf16) are compared as a paired difference, which cancels what the prompts share.
 
 def _ratio_residuals(drafts: list[int], steps: list[int]) -> tuple[float, list[float]]:
+    for d, s in zip(drafts, steps):  # impossible counts would give a number, not an error
+        if not (0 <= s and 0 <= d and (s > 0 or d == 0)) or d != d or s != s:
+            raise ValueError(f"a prompt with {d} accepted drafts in {s} verify steps: counts are >= 0, and drafts need "
+                             "steps")
     total = sum(steps)
     if len(drafts) != len(steps) or total <= 0:
         raise ValueError(f"need one (drafts, steps) pair per prompt and some steps; got {len(drafts)} drafts, "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import math
 import os
 import random
 import re
@@ -237,8 +238,9 @@ def pair_with_reference(server: list[dict], reference: list[dict], eos: int | No
         steps = sum(rows[i]["verify_steps"] for i in same)
         return sum(rows[i]["accepted_drafts"] for i in same) / steps if steps else None
 
-    return {"paired_difference": pair["difference"], "paired_se": pair["se"],
-            "within_noise": abs(pair["difference"]) <= 2 * pair["se"],
+    se = None if math.isnan(pair["se"]) else pair["se"]  # one prompt: no spread to measure noise by
+    return {"paired_difference": pair["difference"], "paired_se": se,
+            "within_noise": None if se is None else abs(pair["difference"]) <= 2 * se,
             "identical_outputs": len(same), "server_on_identical": rate(server),
             "reference_on_identical": rate(reference)}
 
@@ -580,9 +582,12 @@ def same_prompts_cell(same: dict | None) -> str:
     if not same:
         return "-"
     cell = f"{same['server_accepted_drafts_per_step']:.3f}/{same['reference_accepted_drafts_per_step']:.3f}"
-    if "paired_se" in same:
-        cell += (f" ({2 * same['paired_se']:.3f}) {'within noise' if same['within_noise'] else 'OUTSIDE noise'}; "
-                 f"{same['identical_outputs']}/{same['prompts']} outputs identical")
+    if same.get("paired_se") is not None:
+        cell += f" ({2 * same['paired_se']:.3f}) {'within noise' if same['within_noise'] else 'OUTSIDE noise'}"
+    elif "paired_se" in same:
+        cell += " (one prompt: noise unknown)"
+    if "identical_outputs" in same:
+        cell += f"; {same['identical_outputs']}/{same['prompts']} outputs identical"
     return cell
 
 
