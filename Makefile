@@ -31,9 +31,14 @@ serve:  ## SGLang server with an Eagle3 draft (GPU): make serve TARGET=/models/K
 	$(PY) -m sglang.launch_server --model-path $(TARGET) --speculative-algorithm EAGLE3 \
 	  --speculative-draft-model-path $(DRAFT) $(SPEC) --port $(PORT) $(SERVE_ARGS)
 
+# with CONFIG=file.yaml a variable reaches the trainer only when given (make ... TARGET=x): the YAML's values are
+# defaults that the command line overrides, and this Makefile's own defaults must not
+given = $(if $(and $(CONFIG),$(filter file,$(origin $(1)))),,$(2))
+
 train-draft:  ## regenerate + capture + train + export an Eagle3 head (CPU default: SmolLM2, within 20 min on 2 cores)
-	$(PY) -m training.train_draft --target $(TARGET) --draft-format $(DRAFT_FORMAT) --out $(DRAFT) \
-	  --work $(WORK) $(foreach d,$(DATA),--data $(d)) $(if $(CONFIG),--config $(CONFIG)) $(TRAIN_ARGS)
+	$(PY) -m training.train_draft $(call given,TARGET,--target $(TARGET)) \
+	  $(call given,DRAFT_FORMAT,--draft-format $(DRAFT_FORMAT)) $(call given,DRAFT,--out $(DRAFT)) \
+	  $(call given,WORK,--work $(WORK)) $(foreach d,$(DATA),--data $(d)) $(if $(CONFIG),--config $(CONFIG)) $(TRAIN_ARGS)
 
 eval-gsm8k:  ## GSM8K accuracy + acceptance, spec vs no spec (reference decoder; BASE_URL=... for a server)
 	$(PY) -m eval.gsm8k --compare --limit $(LIMIT) --out $(EVAL_OUT) \

@@ -295,9 +295,138 @@ def test_resume_refuses_a_checkpoint_of_another_config(tiny_pair, tmp_path):
     recs, lm = _features_and_lm(tiny_pair)
     train(_head(tiny_pair, recs), recs, lm, TrainConfig(ttt_steps=2, max_steps=2), checkpoint_dir=str(tmp_path),
           log=lambda *_: None)
-    with pytest.raises(ValueError, match="another config"):
+    with pytest.raises(ValueError, match=r"other options or data \(train_config.ttt_steps: 2 -> 3\)"):
         train(_head(tiny_pair, recs), recs, lm, TrainConfig(ttt_steps=3, max_steps=2), checkpoint_dir=str(tmp_path),
               log=lambda *_: None)
+    other = [dataclasses.replace(r, input_ids=r.input_ids.flip(0)) for r in recs]  # other data, same size
+    with pytest.raises(ValueError, match="records_fingerprint"):
+        train(_head(tiny_pair, other), other, lm, TrainConfig(ttt_steps=2, max_steps=2), checkpoint_dir=str(tmp_path),
+              log=lambda *_: None)
+
+
+def test_a_run_killed_between_the_checkpoint_files_resumes_from_the_weights(tiny_pair, tmp_path):
+    """state.safetensors is written whole (temp file, rename) and carries the step: a stale or damaged trainer.json
+    beside it (killed between the two writes) cannot make a resume replay a step on already-updated weights."""
+    from training.trainer import checkpoint_meta
+
+    recs, lm = _features_and_lm(tiny_pair)
+    cfg = TrainConfig(ttt_steps=2, max_steps=4, checkpoint_every=1)
+    torch.manual_seed(0)
+    straight = _head(tiny_pair, recs)
+    train(straight, recs, lm, cfg, log=lambda *_: None)
+    torch.manual_seed(0)
+    head = _head(tiny_pair, recs)
+    train(head, recs, lm, cfg, checkpoint_dir=str(tmp_path), stop_after=3, log=lambda *_: None)
+    open(tmp_path / "trainer.json", "w").write('{"step": 2, "tot')  # an older step, cut mid-write
+    assert checkpoint_meta(str(tmp_path))["step"] == 3
+    resumed = _head(tiny_pair, recs)
+    train(resumed, recs, lm, cfg, checkpoint_dir=str(tmp_path), log=lambda *_: None)
+    for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_a_time_fitted_schedule_keeps_its_length_on_resume(tiny_pair, tmp_path):
+    """A run whose cosine was fitted to a time limit, then run again: it stays finished (no climb back up a longer
+    schedule)."""
+    recs, lm = _features_and_lm(tiny_pair)
+    head = _head(tiny_pair, recs)
+    train(head, recs, lm, TrainConfig(ttt_steps=2, max_steps=6), checkpoint_dir=str(tmp_path), stop_after=3,
+          log=lambda *_: None)
+    import json as _json
+
+    meta = _json.load(open(tmp_path / "trainer.json"))
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    meta["total_steps"] = 3  # as a time-fitted run that ended at its fitted step 3 of 6 planned would have saved
+    t = load_file(str(tmp_path / "state.safetensors"))
+    save_file(t, str(tmp_path / "state.safetensors"), metadata={"trainer": _json.dumps(meta)})
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    again = _head(tiny_pair, recs)
+    m = train(again, recs, lm, TrainConfig(ttt_steps=2, max_steps=6), checkpoint_dir=str(tmp_path),
+              log=lambda *_: None)
+    assert m["resumed_finished"] and m["step"] == 3
+    assert all(torch.equal(before[k], v) for k, v in again.state_dict().items())
+    with safe_open(str(tmp_path / "state.safetensors"), "pt") as f:
+        assert _json.loads(f.metadata()["trainer"])["step"] == 3
+
+
+def test_yaml_values_are_defaults_checked_like_options(tmp_path):
+    from training.train_draft import parse_args
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    example = os.path.join(here, "training", "configs", "gpu-example.yaml")
+    args = parse_args(["--config", example, "--epochs", "1", "--out", "out/trial", "--data", "messages:x.jsonl"])
+    assert (args.epochs, args.out, args.data, args.lr) == (1, "out/trial", ["messages:x.jsonl"], 0.0003)
+    c = tmp_path / "c.yaml"
+    c.write_text("lr: 5e-3\n")  # PyYAML: a string
+    assert parse_args(["--config", str(c)]).lr == 0.005
+    for text, match in [("draft_format: MLA\n", "draft_format: 'MLA'; choose from"), ("lr: fast\n", "lr: 'fast'"),
+                        ("bogus: 1\n", "unknown key 'bogus'")]:
+        c.write_text(text)
+        with pytest.raises(SystemExit):
+            parse_args(["--config", str(c)])
+
+
+def test_out_is_checked_before_anything_runs_and_replaced_whole(tmp_path, capsys):
+    from training.train_draft import export_dir_problem, main, replace_dir
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    assert main(["--out", str(theirs), "--work", str(tmp_path / "w"), "--device", "cpu"]) == 2
+    assert "not an Eagle3 export" in capsys.readouterr().err and (theirs / "notes.txt").exists()
+    assert main(["--out", str(tmp_path / "w" / "draft"), "--work", str(tmp_path / "w"), "--device", "cpu"]) == 2
+    assert "--work" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert "not a directory" in export_dir_problem(str(tmp_path / "afile"))
+    old = tmp_path / "export"  # a previous sharded export: none of its files may survive beside the new one
+    old.mkdir()
+    (old / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    (old / "model.safetensors.index.json").write_text("{}")
+    assert export_dir_problem(str(old)) is None
+    new = tmp_path / "export.partial"
+    new.mkdir()
+    (new / "model.safetensors").write_text("new")
+    replace_dir(str(new), str(old))
+    assert sorted(os.listdir(old)) == ["model.safetensors"] and not new.exists()
+
+
+def test_features_of_other_layers_are_refused_not_reused(tiny_pair, tmp_path):
+    ext, convs = _records(tiny_pair)
+    write_shards(ext, convs, str(tmp_path), shard_size=4, meta={"target": "t", "aux_output_ids": [0, 1, 2]})
+    with pytest.raises(ValueError, match=r"aux_output_ids=\[0, 1, 2\], this run asks for aux_output_ids=\[1, 2, 0\]"):
+        write_shards(ext, convs, str(tmp_path), shard_size=4, meta={"target": "t", "aux_output_ids": [1, 2, 0]})
+    os.remove(tmp_path / "shard-00001.safetensors")
+    with pytest.raises(FileNotFoundError, match="shard-00001.safetensors, named in"):
+        read_shards(str(tmp_path))
+
+
+def test_regeneration_resumes_after_a_cut_line_and_writes_as_it_goes(tiny_pair, tmp_path):
+    target, tok = tiny_pair
+    out = tmp_path / "regen.jsonl"
+    regen = LocalRegenerator(target, tok, GenerationOptions(max_new_tokens=4), batch_size=1)
+    convs = [D.Conversation(str(i), [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "x"}])
+             for i in range(3)]
+    regen.run(convs[:1], str(out))
+    with open(out, "a") as f:
+        f.write('{"id": "1", "messa')  # killed mid-line
+    calls = []
+    real = regen._generate
+
+    def interrupted(prompts):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(prompts)
+
+    regen._generate = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        regen.run(convs, str(out))  # the first batch finished before the interruption: it is on disk
+    assert sorted(load_done(str(out))) == ["0", "1"] or sorted(load_done(str(out))) == ["0", "2"]
+    regen._generate = real
+    done = regen.run(convs, str(out))
+    assert [c.id for c in done] == ["0", "1", "2"] and sorted(load_done(str(out))) == ["0", "1", "2"]
 
 
 def test_example_config_is_accepted_by_the_cli():

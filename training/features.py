@@ -216,6 +216,11 @@ def write_shards(extractor: FeatureExtractor, convs: list[Conversation], out_dir
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, MANIFEST)
     manifest = json.load(open(path)) if os.path.exists(path) else {"shards": [], "skipped": 0, **(meta or {})}
+    for key, value in (meta or {}).items():  # features of another target, other layers, another rendering: refused
+        if key in manifest and json.loads(json.dumps(value)) != manifest[key]:
+            raise ValueError(f"{out_dir} holds features captured with {key}={manifest[key]!r}, this run asks for "
+                             f"{key}={value!r}; capture into a new --work directory, or delete {out_dir} (and the "
+                             "checkpoint beside it) to capture again")
     done = {s["file"]: s for s in manifest["shards"]}
     chunks = [convs[i: i + shard_size] for i in range(0, len(convs), shard_size)]
     with tqdm(total=len(convs), desc="capture target features", unit="conv", mininterval=5) as bar:
@@ -261,10 +266,22 @@ def records_of(out_dir: str, ids: set[str]) -> int | None:
 
 
 def read_shards(out_dir: str) -> list[Features]:
+    """Every record the manifest names, each shard checked against it (present, its record count, one aux width)."""
     manifest = json.load(open(os.path.join(out_dir, MANIFEST)))
-    records = []
+    records, width = [], None
     for s in manifest["shards"]:
-        records += _unpack(load_file(os.path.join(out_dir, s["file"])))
+        file = os.path.join(out_dir, s["file"])
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"{file}, named in {out_dir}/{MANIFEST}, is missing; delete {out_dir} to capture "
+                                    "the features again")
+        got = _unpack(load_file(file))
+        widths = {(r.aux.shape[-1], r.last_hidden.shape[-1]) for r in got}
+        if len(got) != s["records"] or len(widths) > 1 or (width is not None and widths != {width}):
+            raise ValueError(f"{file} does not match {out_dir}/{MANIFEST} ({len(got)} records of widths {sorted(widths)}, "
+                             f"the manifest says {s['records']}{'' if width is None else f' of width {width}'}); "
+                             f"delete {out_dir} to capture the features again")
+        width = next(iter(widths), width)
+        records += got
     return records
 
 

@@ -60,6 +60,18 @@ def resumable(done: dict[str, Conversation], convs: list[Conversation], path: st
                              f"{path} to regenerate")
 
 
+def open_for_append(path: str):
+    """The output file for appending, cut back to its last complete line first: an interrupted run's half-written
+    last line would otherwise glue onto the next record, and both would be lost."""
+    if os.path.exists(path):
+        with open(path, "rb+") as f:
+            data = f.read()
+            keep = data.rfind(b"\n") + 1
+            if keep < len(data):
+                f.truncate(keep)
+    return open(path, "a")
+
+
 def _write(f, conv: Conversation) -> None:
     f.write(json.dumps({"id": conv.id, "messages": conv.messages}) + "\n")
     f.flush()
@@ -89,9 +101,11 @@ class LocalRegenerator:
         resumable(done, convs, out_path)
         todo = [c for c in convs if c.id not in done]
         work = {c.id: [m for m in c.messages] for c in todo}
+        last_turn = {c.id: max(i for i, m in enumerate(c.messages) if m["role"] == "assistant") for c in todo}
         n_turns = max((sum(m["role"] == "assistant" for m in c.messages) for c in todo), default=0)
         bar = tqdm(total=sum(sum(m["role"] == "assistant" for m in c.messages) for c in todo),
                    desc="regenerate (in-process)", unit="turn", mininterval=5)
+        f = open_for_append(out_path)
         for turn in range(n_turns):  # wave by wave: turn i of every conversation that has one
             jobs = []
             for cid, msgs in work.items():
@@ -104,13 +118,12 @@ class LocalRegenerator:
                 answers = self._generate([prompt_ids(self.tok, work[cid][:i]) for cid, i in chunk])
                 for (cid, i), text in zip(chunk, answers):
                     work[cid][i] = {"role": "assistant", "content": text}
+                    if i == last_turn[cid]:  # complete: written now, so an interruption keeps it
+                        done[cid] = Conversation(cid, work[cid])
+                        _write(f, done[cid])
                 bar.update(len(chunk))
         bar.close()
-        with open(out_path, "a") as f:
-            for c in todo:
-                conv = Conversation(c.id, work[c.id])
-                _write(f, conv)
-                done[c.id] = conv
+        f.close()
         return [done[c.id] for c in convs]
 
 
@@ -147,7 +160,7 @@ class ServerRegenerator:
         done = load_done(out_path)
         resumable(done, convs, out_path)
         todo = [c for c in convs if c.id not in done]
-        with open(out_path, "a") as f, concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool, \
+        with open_for_append(out_path) as f, concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool, \
                 tqdm(total=len(todo), desc="regenerate (server)", unit="conv", mininterval=5) as bar:
             futures = [pool.submit(self._conversation, c) for c in todo]
             for fut in concurrent.futures.as_completed(futures):

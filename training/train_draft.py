@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 
@@ -48,6 +49,48 @@ SHARED_GSM8K = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 def default_gsm8k(split: str) -> str:
     local = os.path.normpath(os.path.join(SHARED_GSM8K, f"{split}.jsonl"))
     return local if os.path.exists(local) else "openai/gsm8k"
+
+
+def apply_yaml_defaults(ap: argparse.ArgumentParser, path: str) -> dict:
+    """A YAML config's keys as the parser's defaults, each through its option's own type and choices (PyYAML reads
+    `lr: 5e-3` as a string; `draft_format: MLA` is not a choice): refused at parsing, naming the key. Returns the
+    repeatable options' values (`data`), which apply only when the command line gives none: argparse would append
+    the command line's to them."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        ap.error(f"--config {path}: {e}")
+    if not isinstance(values, dict):
+        ap.error(f"--config {path}: a mapping of option names to values, e.g. `draft_format: mla`")
+    actions = {a.dest: a for a in ap._actions}
+    defaults = {}
+    for key, value in values.items():
+        action = actions.get(key)
+        if action is None or key in ("config", "help"):
+            ap.error(f"--config {path}: unknown key {key!r} (keys are the options' names with _ for -)")
+        if isinstance(action, argparse._AppendAction):
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list):
+                ap.error(f"--config {path}: {key}: a list (or one string), got {value!r}")
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if not isinstance(value, bool):
+                ap.error(f"--config {path}: {key}: true or false, got {value!r}")
+        elif action.type is not None and value is not None:
+            try:
+                value = action.type(value) if not isinstance(value, bool) else None
+            except (TypeError, ValueError):
+                value = None
+            if value is None:
+                ap.error(f"--config {path}: {key}: {values[key]!r} is not a {getattr(action.type, '__name__', 'value')}")
+        if action.choices is not None and value not in action.choices:
+            ap.error(f"--config {path}: {key}: {value!r}; choose from {sorted(action.choices)}")
+        defaults[key] = value
+    repeatable = {k: v for k, v in defaults.items() if isinstance(actions[k], argparse._AppendAction)}
+    ap.set_defaults(**{k: v for k, v in defaults.items() if k not in repeatable})
+    return repeatable
 
 
 def parse_args(argv=None):
@@ -138,15 +181,20 @@ def parse_args(argv=None):
     ap.add_argument("--eval-steps", type=int, default=3, help="chain depth of the acceptance estimate")
     ap.add_argument("--eval-max-new-tokens", type=int, default=128)
     ap.add_argument("--compare-untrained", action="store_true", help="also measure an untrained head")
+    ap.add_argument("--checkpoint-every", type=int, default=None,
+                    help="optimizer steps between checkpoints of the full training state (default: 1000 on a GPU, "
+                         "200 on the CPU; 0: only at the end); an interrupted run resumes from the last one")
+    config = ap.parse_known_args(argv)[0].config
+    # the YAML sets defaults: an option given on the command line wins (the Makefile's TRAIN_ARGS)
+    repeatable = apply_yaml_defaults(ap, config) if config else {}
     args = ap.parse_args(argv)
-    if args.config:
-        import yaml
-
-        with open(args.config) as f:
-            for k, v in (yaml.safe_load(f) or {}).items():
-                if not hasattr(args, k):
-                    ap.error(f"--config {args.config}: unknown key {k!r}")
-                setattr(args, k, v)
+    for key, value in repeatable.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.checkpoint_every is None:
+        args.checkpoint_every = 200 if args.device == "cpu" else 1000
+    if args.checkpoint_every < 0:
+        ap.error(f"--checkpoint-every {args.checkpoint_every}: steps >= 0 (0: only at the end)")
     cpu = args.device == "cpu"
     if args.time_budget_minutes is None and cpu:
         args.time_budget_minutes = 19.5
@@ -294,8 +342,47 @@ def init_distributed(args):
     return world, dist.get_rank(), dist.new_group(backend="gloo", timeout=timedelta(hours=24))
 
 
+def export_dir_problem(out: str) -> str | None:
+    """Why --out cannot take an export (None: it can): checked at start, not after training."""
+    out = os.path.abspath(out)
+    if os.path.lexists(out) and not os.path.isdir(out):
+        return f"{out} exists and is not a directory"
+    if os.path.isdir(out) and os.listdir(out):
+        try:
+            cfg = json.load(open(os.path.join(out, "config.json")))
+            ours = "eagle_config" in cfg or any("Eagle3" in a for a in cfg.get("architectures") or [])
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:  # the export replaces the directory whole: never someone else's files
+            return f"{out} holds files that are not an Eagle3 export; give a new or empty directory"
+    parent = os.path.dirname(out)
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        return f"cannot create {out}: {parent} is not a writable directory"
+    return None
+
+
+def replace_dir(new: str, out: str) -> None:
+    """`new` becomes `out`; a previous `out` is removed only once the new one is in place."""
+    old = out.rstrip("/") + ".replaced"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(out):
+        os.rename(out, old)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    os.rename(new, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    problem = export_dir_problem(args.out)
+    out_abs, work_abs = os.path.abspath(args.out), os.path.abspath(args.work)
+    if os.path.commonpath([out_abs, work_abs]) in (out_abs, work_abs):  # the export replaces --out whole
+        problem = f"is, holds or lies in --work {args.work}; give them separate directories"
+    if problem:
+        print(f"python -m training.train_draft: error: --out {args.out}: {problem}", file=sys.stderr)
+        return 2
     for spec in args.data:  # files are checked on the machine that runs (the GPU scripts parse for another)
         try:
             data_mod.parse_spec(spec, check_files=True)
@@ -438,7 +525,8 @@ def prepare_features(args, tok, target, aux_ids, device, feat_dir, convs):
                                      dtype=feature_dtype)
     t = time.time()
     if args.features == "offline":
-        write_shards(extractor, convs, feat_dir, meta={"target": args.target, "aux_output_ids": aux_ids})
+        write_shards(extractor, convs, feat_dir, meta={"target": args.target, "aux_output_ids": aux_ids,
+                                                       "reasoning": args.reasoning, "max_tokens": args.max_tokens})
         records = read_shards(feat_dir)
         n_held = records_of(feat_dir, {c.id for c in held_convs})
         n_held = held if n_held is None else n_held
@@ -497,7 +585,7 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
                        grad_accum=args.grad_accum, max_tokens=args.max_tokens, seed=args.seed,
                        weight_decay=args.weight_decay,
                        batch_tokens=args.batch_tokens, profile_steps=args.profile_steps,
-                       max_seconds=max_seconds,
+                       max_seconds=max_seconds, checkpoint_every=args.checkpoint_every,
                        bf16=device.type == "cuda" and args.precision == "bf16")
     untrained = None
     eval_path = args.eval_data or default_gsm8k("test")
@@ -506,8 +594,14 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
     if args.compare_untrained:
         untrained = acceptance_estimate(target, head, prompts, args.eval_steps, args.eval_max_new_tokens, eos)
     t = time.time()
-    metrics = train(head, records, lm_head, tcfg, checkpoint_dir=os.path.join(args.work, "checkpoint"),
-                    log=lambda m: print(f"[train-draft] {m}", flush=True))  # the pipeline's progress keeps these
+    try:
+        metrics = train(head, records, lm_head, tcfg, checkpoint_dir=os.path.join(args.work, "checkpoint"),
+                        log=lambda m: print(f"[train-draft] {m}", flush=True))  # the pipeline's progress keeps these
+    except ValueError as e:  # a checkpoint from other options or data: said in one line
+        if "checkpoint" not in str(e):
+            raise
+        print(f"python -m training.train_draft: error: {e}", file=sys.stderr)
+        return 2
     train_s = time.time() - t
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tokens_per_s = metrics.get("tokens_trained", 0) * world / max(train_s, 1e-9)  # all ranks: equal shares
@@ -527,10 +621,13 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
 
     if rank != 0:  # every rank holds the same weights; rank 0 exports and measures
         return 0
-    # 5. export + estimates
+    # 5. export + estimates, into a directory beside --out that replaces it once complete: an interrupted export
+    # leaves the previous one whole, and no older file (a sharded index, another shard) survives beside the new ones
     t_post = time.time()
-    head.save_pretrained(args.out)
-    tok.save_pretrained(args.out)
+    staging = args.out.rstrip("/") + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    head.save_pretrained(staging)
+    tok.save_pretrained(staging)
     held_acc = evaluate(head, records_held, lm_head, args.ttt_steps) if records_held else []
     est = acceptance_estimate(target, head, prompts, args.eval_steps, args.eval_max_new_tokens, eos)
     result = {"target": args.target, "draft_format": args.draft_format, "aux_output_ids": aux_ids,
@@ -541,8 +638,9 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
                              "max_new_tokens": args.eval_max_new_tokens,
                              "trained": est, "untrained": untrained},
               "world_size": world, "wall_seconds": time.time() - t0}
-    with open(os.path.join(args.out, "training_report.json"), "w") as f:
+    with open(os.path.join(staging, "training_report.json"), "w") as f:
         json.dump(result, f, indent=1)
+    replace_dir(staging, args.out)
     print(f"[train-draft] exported {args.out} ({cfg.architecture}); held-out per-step accuracy "
           f"{[round(a, 3) for a in held_acc]}")
     if est is not None and est["accepted_drafts_per_step"] is None:

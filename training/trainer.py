@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -352,9 +353,28 @@ def save_checkpoint(path: str, head: Eagle3Head, opt: torch.optim.Optimizer, ste
     tensors["rng.cpu"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
-    save_file(tensors, os.path.join(path, "state.safetensors"))
-    with open(os.path.join(path, "trainer.json"), "w") as f:
-        json.dump({"step": step, **extra}, f, indent=1)
+    # the step and identity travel inside the weights file too: safetensors writes it whole (temp file, rename), so
+    # a run killed between the two files resumes from what the weights are, not from an older trainer.json
+    meta = json.dumps({"step": step, **extra})
+    save_file(tensors, os.path.join(path, "state.safetensors"), metadata={"trainer": meta})
+    tmp = os.path.join(path, "trainer.json.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(json.loads(meta), indent=1))
+    os.replace(tmp, os.path.join(path, "trainer.json"))  # readable copy; never half-written
+
+
+def checkpoint_meta(path: str) -> dict:
+    """The checkpoint's step and identity: from its weights file (what the state is), else trainer.json (older runs)."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "state.safetensors"), "pt") as f:
+        meta = (f.metadata() or {}).get("trainer")
+    if meta is not None:
+        return json.loads(meta)
+    try:
+        return json.load(open(os.path.join(path, "trainer.json")))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}/trainer.json is damaged ({e}); delete {path} to train from the start") from None
 
 
 def load_checkpoint(path: str, head: Eagle3Head, opt: torch.optim.Optimizer) -> dict:
@@ -369,7 +389,28 @@ def load_checkpoint(path: str, head: Eagle3Head, opt: torch.optim.Optimizer) -> 
     torch.set_rng_state(t["rng.cpu"])
     if "rng.cuda" in t and torch.cuda.is_available():
         torch.cuda.set_rng_state(t["rng.cuda"])
-    return json.load(open(os.path.join(path, "trainer.json")))
+    return checkpoint_meta(path)
+
+
+def records_fingerprint(records: list[Features]) -> str:
+    """Which token sequences, in which order: a resume on other data of the same size is refused, not continued."""
+    h = hashlib.sha256()
+    for r in records:
+        h.update(r.input_ids.to(torch.int32).numpy().tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
+def identity_differences(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """'field: saved -> now' for every field that differs (nested dicts flattened)."""
+    out = []
+    for k in sorted(set(saved) | set(now)):
+        a, b = saved.get(k), now.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += identity_differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
 
 
 # ---------------------------------------------------------------------------------- training
@@ -440,16 +481,21 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     total = cfg.max_steps or per_epoch * cfg.epochs
     step = 0
     identity = {"train_config": {k: v for k, v in dataclasses.asdict(cfg).items()
-                                 if k not in ("max_seconds", "profile_steps")}, "head_config": head.config.to_dict(),
-                "records": len(records), "world_size": world}
-    if checkpoint_dir and resume and os.path.exists(os.path.join(checkpoint_dir, "trainer.json")):
-        saved = json.load(open(os.path.join(checkpoint_dir, "trainer.json")))
-        if saved.get("identity") != json.loads(json.dumps(identity)):
-            raise ValueError(f"checkpoint {checkpoint_dir} was written by a run with another config or data "
-                             "(training options, head config, record count or world size differ); resume it with "
-                             "the same options, or use a new work directory")
+                                 if k not in ("max_seconds", "profile_steps", "checkpoint_every")},
+                "head_config": head.config.to_dict(), "records": len(records),
+                "records_fingerprint": records_fingerprint(records), "world_size": world}
+    if checkpoint_dir and resume and os.path.exists(os.path.join(checkpoint_dir, "state.safetensors")):
+        saved = checkpoint_meta(checkpoint_dir)
+        differ = identity_differences(saved.get("identity") or {}, json.loads(json.dumps(identity)))
+        if differ:
+            raise ValueError(f"checkpoint {checkpoint_dir} was written by a run with other options or data ("
+                             + "; ".join(differ[:6]) + "); resume with the same ones, or use a new --work directory "
+                             f"(or delete {checkpoint_dir})")
         step = load_checkpoint(checkpoint_dir, head, opt)["step"]
-        log(f"resumed from {checkpoint_dir} at optimizer step {step}")
+        # a schedule fitted to a time limit keeps its length: a resumed run ends where the interrupted one was
+        # going to (and a finished run stays finished), instead of climbing back up a longer cosine
+        total = min(total, int(saved.get("total_steps") or total))
+        log(f"resumed from {checkpoint_dir} at optimizer step {step} of {total}")
     if dist is not None:  # one starting point on every rank
         for p in params:
             dist.broadcast(p.data, src=0)
@@ -573,6 +619,9 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
                 (torch.cuda.max_memory_allocated(device) - steady_from[3]) / 2**30, 3)
     if profiler is not None:
         _log_profile(profiler, device, step - first_step - 2, log)
+    if step == first_step:  # a resumed run that had already finished: nothing trained now
+        metrics.update({"step": step, "total_steps": total, "planned_steps": planned, "tokens_trained": 0,
+                        "epochs": round(step / per_epoch, 3), "resumed_finished": True})
     metrics["seconds_before_first_step"] = round(seconds_before_first_step, 1)
     metrics["ttt_attention"] = sorted(TTT_PATHS_USED)  # "fused" unless the kernel was unavailable
     return metrics

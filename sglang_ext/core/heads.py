@@ -411,6 +411,8 @@ class Eagle3Head(nn.Module):
         state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
                  for k, v in self.checkpoint_state().items()}
         save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        # safetensors writes through a private temp file (mode 0600): a server under another user could not read it
+        os.chmod(os.path.join(out_dir, "model.safetensors"), 0o644)
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(self.config.to_dict(), f, indent=2)
 

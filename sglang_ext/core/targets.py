@@ -45,6 +45,8 @@ def load_target(target: str, dtype=torch.float32, device: str | torch.device = "
     from transformers import AutoModelForCausalLM
 
     path, kw = resolve(target)
+    if "gguf_file" not in kw:  # never unpickle a user's file: a target with only pytorch_model.bin is refused
+        kw["use_safetensors"] = True
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     return model.to(device).eval()
 
