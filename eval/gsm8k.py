@@ -25,14 +25,14 @@ import time
 from tqdm import tqdm
 
 from sglang_ext.core.accounting import AcceptanceStats, accepted_drafts_per_step_se
-from sglang_ext.http_client import get_json, post_json
+from sglang_ext.http_client import ServerRefused, get_json, post_json
 from eval.report import write_reports
 
 SHARED = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
                                        "gsm8k"))
 # a number starts with a digit that does not continue one ("1.2.3" is not "1.2" then ".3"); commas only as thousands
 # separators ("1,000", not the list "1,2,3")
-NUM = r"(?<!\d)(?<!\d\.)-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+NUM = r"(?<!\d)(?<!\d\.)-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)"  # ".75" too
 
 
 # ------------------------------------------------------------------------------------- answers
@@ -327,7 +327,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return run(args)
-    except (FileNotFoundError, ConnectionError) as e:  # a path or a server named on the command line
+    except (FileNotFoundError, ConnectionError, ServerRefused) as e:  # a path or a server named on the command line
         print(f"error: {e}", file=sys.stderr)
         return 2
 

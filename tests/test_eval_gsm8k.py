@@ -23,6 +23,7 @@ from eval import gsm8k as G
     ("version 1.2.3", None, "1.2"),  # not "1.2" then ".3"
     ("pages 1,2,3", None, "3"),  # a list, not 123
     ("so...5", None, "5"),
+    ("he paid $.75", None, "0.75"),
     ("#### -$5", "-5", "-5"),
     ("#### 12345678901234567", "12345678901234567", "12345678901234567"),  # no float rounding
 ])

@@ -319,6 +319,11 @@ def test_a_run_killed_between_the_checkpoint_files_resumes_from_the_weights(tiny
     train(head, recs, lm, cfg, checkpoint_dir=str(tmp_path), stop_after=3, log=lambda *_: None)
     open(tmp_path / "trainer.json", "w").write('{"step": 2, "tot')  # an older step, cut mid-write
     assert checkpoint_meta(str(tmp_path))["step"] == 3
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "state.safetensors").write_bytes(open(tmp_path / "state.safetensors", "rb").read()[:1000])
+    with pytest.raises(ValueError, match="cannot be read.*delete"):
+        checkpoint_meta(str(damaged))
     resumed = _head(tiny_pair, recs)
     train(resumed, recs, lm, cfg, checkpoint_dir=str(tmp_path), log=lambda *_: None)
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
@@ -362,7 +367,8 @@ def test_yaml_values_are_defaults_checked_like_options(tmp_path):
     c.write_text("lr: 5e-3\n")  # PyYAML: a string
     assert parse_args(["--config", str(c)]).lr == 0.005
     for text, match in [("draft_format: MLA\n", "draft_format: 'MLA'; choose from"), ("lr: fast\n", "lr: 'fast'"),
-                        ("bogus: 1\n", "unknown key 'bogus'")]:
+                        ("bogus: 1\n", "unknown key 'bogus'"), ("epochs: 2.7\n", ""), ("lr: null\n", ""),
+                        ("aux_layers: [1, 2, 3]\n", ""), ("work: 5\n", "")]:
         c.write_text(text)
         with pytest.raises(SystemExit):
             parse_args(["--config", str(c)])
@@ -390,6 +396,13 @@ def test_out_is_checked_before_anything_runs_and_replaced_whole(tmp_path, capsys
     (new / "model.safetensors").write_text("new")
     replace_dir(str(new), str(old))
     assert sorted(os.listdir(old)) == ["model.safetensors"] and not new.exists()
+    (old / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    (old / "README.md").write_text("my notes")  # an export with a file of the user's: replacing it would delete it
+    assert "README.md" in export_dir_problem(str(old))
+    os.remove(old / "README.md")
+    link = tmp_path / "link"
+    link.symlink_to(old)
+    assert export_dir_problem(str(link)) is None  # a link: checked (and later written) where it points
 
 
 def test_features_of_other_layers_are_refused_not_reused(tiny_pair, tmp_path):
@@ -805,7 +818,8 @@ def test_deepseek_r1_is_trained_as_served():
 
 
 @pytest.mark.parametrize("name,msgs,expected", [
-    ("qwen3", [U1, A1, U2, A2], ["Four<|im_end|>"]),  # history loses its think blocks: the last turn, as served
+    # history loses its think blocks: the last turn, as served, with what the template writes before an answer
+    ("qwen3", [U1, A1, U2, A2], ["<think>\n\n</think>\n\nFour<|im_end|>"]),
     ("mistral_v03", [{"role": "system", "content": "Be brief."}, U1, A1, U2, A2], ["Four</s>"]),  # system moves
     ("qwen3", [U1, A1], ["<think>\n\n</think>\n\nHello there<|im_end|>"]),  # consistent: as before
 ])
@@ -838,7 +852,6 @@ def test_a_template_that_refuses_a_row_skips_it_not_the_run(tmp_path):
     ("<think>a</think>\n\nFour", "Four"),
     ("reasoning opened by the prompt\n</think>\n\nFour", "Four"),
     ("Four <think>cut by the token lim", "Four"),
-    ("<think>only reasoning, cut", ""),
     ("Four", "Four"),
 ])
 def test_reasoning_drop_removes_every_shape_of_reasoning(content, expected):
@@ -846,6 +859,17 @@ def test_reasoning_drop_removes_every_shape_of_reasoning(content, expected):
 
     out = apply_reasoning([U2, {"role": "assistant", "content": content, "reasoning_content": "r"}], "drop")
     assert out[1] == {"role": "assistant", "content": expected}
+
+
+def test_an_answer_that_was_all_reasoning_is_skipped_under_drop():
+    """Cut by the token limit while reasoning: nothing of an answer is left, and training the end-of-turn token
+    alone after the prompt would teach the draft to stop at once. With a prompt that opens <think> (R1), a reply
+    without `</think>` is such an answer."""
+    for tok, content in [(tokenizer(None), "<think>only reasoning, cut"),
+                         (real_template("deepseek_r1", bos="<｜begin▁of▁sentence｜>"), "still reasoning when cut")]:
+        with pytest.raises(ChatTemplateError, match="nothing is left"):
+            render(tok, [U2, {"role": "assistant", "content": content}], reasoning="drop")
+        assert render(tok, [U2, {"role": "assistant", "content": content}], reasoning="keep").loss_mask
 
 
 def test_reasoning_keep_passes_the_field_to_a_template_that_renders_it():
@@ -891,6 +915,8 @@ def test_resume_refuses_regenerated_data_from_other_prompts(tiny_pair, tmp_path)
     regen.run([D.Conversation("0", [U1, A1])], str(out))
     with pytest.raises(ValueError, match="other user turns.*new --work"):
         regen.run([D.Conversation("0", [U2, A2])], str(out))
+    with pytest.raises(ValueError, match="appears more than once"):
+        regen.run([D.Conversation("7", [U1, A1]), D.Conversation("7", [U2, A2])], str(out))
 
 
 @pytest.mark.parametrize("blob,kept,reason", [
@@ -900,6 +926,8 @@ def test_resume_refuses_regenerated_data_from_other_prompts(tiny_pair, tmp_path)
     (json.dumps({"messages": [U1, A1]}).encode() + b"\n\xff\xfe\n", 1, "line not UTF-8"),
     (b'[{"messages": ' + json.dumps([U1, A1]).encode() + b'}, {"id": "z", bad}, {"messages": '
      + json.dumps([U2, A2]).encode() + b"}]", 2, "invalid JSON row"),  # a broken row mid-array: the rest is read
+    (b'[{"messages": ' + json.dumps([U1, A1]).encode() + b'}, {"id": "z" "messages": ' + json.dumps([U2, A2]).encode()
+     + b'}, {"messages": ' + json.dumps([U2, A2]).encode() + b"}]", 2, "invalid JSON row"),  # resync past its turns
 ])
 def test_files_we_did_not_write(tmp_path, blob, kept, reason):
     p = tmp_path / "rows.json"

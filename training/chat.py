@@ -43,10 +43,13 @@ def require_chat_template(tokenizer) -> None:
             "tokenizer.chat_template")
 
 
-def strip_reasoning(text: str) -> str:
+def strip_reasoning(text: str, prompt_opens_think: bool = False) -> str:
     """The answer without its reasoning: closed <think> blocks; everything up to a `</think>` whose opener was in
-    the prompt (DeepSeek-R1, Qwen3-Thinking and Kimi-K2.5 generation prompts open `<think>` themselves); and an
-    unterminated `<think>` tail (an answer cut by the token limit while still reasoning)."""
+    the prompt (DeepSeek-R1, Qwen3-Thinking and Kimi-K2.5 generation prompts open `<think>` themselves; with such a
+    prompt, a reply with no `</think>` was cut while still reasoning and has no answer); and an unterminated
+    `<think>` tail (an answer cut by the token limit while still reasoning)."""
+    if prompt_opens_think and "</think>" not in text and not text.lstrip().startswith("<think>"):
+        return ""
     text = THINK.sub("", text)
     if "</think>" in text:
         text = text[text.rindex("</think>") + len("</think>"):].lstrip()
@@ -61,20 +64,36 @@ def renders_reasoning_field(tokenizer) -> bool:
     return isinstance(template, str) and "reasoning_content" in template
 
 
-def apply_reasoning(messages: list[dict], reasoning: str, tokenizer=None) -> list[dict]:
-    """reasoning='drop' removes the reasoning (`strip_reasoning`, and `reasoning_content`) from assistant turns;
-    'keep' leaves it: a `reasoning_content` field goes to a template that renders it, else it is prepended to
-    the content as a <think> block."""
+def prompt_opens_think(tokenizer) -> bool:
+    """Whether the template's generation prompt opens a <think> block itself (DeepSeek-R1, Qwen3-Thinking)."""
+    try:
+        gp = apply_template(tokenizer, [{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    except ChatTemplateError:
+        return False
+    return gp.count("<think>") > gp.count("</think>")
+
+
+def apply_reasoning(messages: list[dict], reasoning: str, tokenizer=None, native: bool | None = None) -> list[dict]:
+    """reasoning='drop' removes the reasoning (`strip_reasoning`, and `reasoning_content`) from assistant turns
+    (an answer with nothing left is refused: ChatTemplateError, the conversation is skipped); 'keep' leaves it: a
+    `reasoning_content` field goes to a template that renders it (`native`), else it is prepended to the content
+    as a <think> block."""
     if reasoning not in ("drop", "keep"):
         raise ValueError(f"reasoning={reasoning!r}: use 'drop' or 'keep'")
-    native = tokenizer is not None and renders_reasoning_field(tokenizer)
+    if native is None:
+        native = tokenizer is not None and renders_reasoning_field(tokenizer)
+    opens = reasoning == "drop" and tokenizer is not None and prompt_opens_think(tokenizer)
     out = []
     for m in messages:
         m = dict(m)
         if m["role"] == "assistant":
             rc = m.pop("reasoning_content", None)
             if reasoning == "drop":
-                m["content"] = strip_reasoning(m["content"])
+                answer = strip_reasoning(m["content"], opens)
+                if not answer.strip() and m["content"].strip():
+                    raise ChatTemplateError("nothing is left of an answer once its reasoning is dropped (cut by the "
+                                            "token limit while reasoning); --reasoning keep trains on it")
+                m["content"] = answer
             elif rc and native:
                 m["reasoning_content"] = rc
             elif rc:
@@ -116,10 +135,24 @@ def _consistent_spans(tokenizer, messages: list[dict], full: str) -> list[tuple[
     return spans
 
 
+def turn_prefix(tokenizer) -> str:
+    """What the template writes between its generation prompt and an answer's text (Mistral's " "; none for ChatML,
+    and none where the generation prompt holds more than a finished turn's header, as DeepSeek-R1's `<think>`)."""
+    probe = "sglang-ext-probe-7f3a"
+    gp = apply_template(tokenizer, [{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    text = apply_template(tokenizer, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}])
+    return text[len(gp): text.index(probe)] if text.startswith(gp) and probe in text[len(gp):] else ""
+
+
 def render(tokenizer, messages: list[dict], reasoning: str = "drop", max_tokens: int | None = None) -> Rendered:
     require_chat_template(tokenizer)
-    messages = apply_reasoning(messages, reasoning, tokenizer)
+    given = messages
+    messages = apply_reasoning(given, reasoning, tokenizer)
     full = apply_template(tokenizer, messages)
+    if reasoning == "keep" and any(m.get("reasoning_content") and m["reasoning_content"] not in full for m in messages):
+        # the template renders the field only for some turns (Kimi-K2.5: after the last plain answer): kept as text
+        messages = apply_reasoning(given, reasoning, tokenizer, native=False)
+        full = apply_template(tokenizer, messages)
     spans, as_served = _consistent_spans(tokenizer, messages, full), False
     if spans is None:  # the template rewrites history (module docstring): the last turn as the server saw it
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
@@ -130,7 +163,7 @@ def render(tokenizer, messages: list[dict], reasoning: str = "drop", max_tokens:
         text = turn["content"]
         if turn.get("reasoning_content"):  # kept, for a template that renders the field: as the model wrote it
             text = f"<think>\n{turn['reasoning_content']}\n</think>\n\n{text}"
-        full = pre + text + end_of_turn(tokenizer)
+        full = pre + turn_prefix(tokenizer) + text + end_of_turn(tokenizer)
         spans, as_served = [(len(pre), len(full))], True
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]

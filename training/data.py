@@ -74,7 +74,8 @@ def normalise(raw_messages, report: LoadReport) -> list[dict] | None:
         raw = m.get("content", m.get("value"))
         content = _text(raw)
         if content is None:
-            report.skip(f"{role} turn whose content is {_describe(raw)}, not text")
+            what = "tool calls" if m.get("tool_calls") else f"content that is {_describe(raw)}, not text"
+            report.skip(f"{role} turn with {what} (not trained on)")
             return None
         if out and out[-1]["role"] == role and role != "system":
             report.skip("two turns of the same role in a row")
@@ -120,7 +121,7 @@ def iter_json_array(text: str, report: LoadReport | None = None) -> Iterator[obj
         except json.JSONDecodeError as e:
             if report is None:
                 raise ValueError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
-            nxt = _next_row(text, dec, i + 1)
+            nxt = _next_row(text, dec, i)
             if nxt is None:
                 report.skip("truncated JSON array (the file ends inside a row)")
                 return
@@ -130,13 +131,41 @@ def iter_json_array(text: str, report: LoadReport | None = None) -> Iterator[obj
         yield obj
 
 
+def _row_end(text: str, i: int) -> int | None:
+    """Where the row starting at `i` (a `{`) ends, by bracket depth outside strings (a missing comma or a stray
+    character inside leaves the structure countable); None when the text ends first."""
+    depth, in_string, escaped = 0, False, False
+    for j in range(i, len(text)):
+        c = text[j]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
 def _next_row(text: str, dec: json.JSONDecoder, i: int) -> int | None:
-    """Where the next array row starts after a broken one: a `{` after a comma that decodes to an object."""
-    while True:
-        j = text.find(",", i)
-        if j < 0:
+    """Where the next array row starts after a broken one starting at `i`: past the broken row's closing brace
+    (counted), a comma, then a `{` that decodes to an object; None when the file ends first (a truncated tail)."""
+    end = _row_end(text, i)
+    while end is not None:
+        k = end
+        while k < len(text) and text[k] in " \t\r\n":
+            k += 1
+        if k >= len(text) or text[k] != ",":
             return None
-        k = j + 1
+        k += 1
         while k < len(text) and text[k] in " \t\r\n":
             k += 1
         if k < len(text) and text[k] == "{":
@@ -144,56 +173,75 @@ def _next_row(text: str, dec: json.JSONDecoder, i: int) -> int | None:
                 dec.raw_decode(text, k)
                 return k
             except json.JSONDecodeError:
-                pass
-        i = j + 1
+                end = _row_end(text, k)  # broken too: skip it whole (counted by the caller's next attempt)
+                continue
+        return None
+    return None
 
 
 def _rows_from_file(path: str, report: LoadReport) -> Iterator[object]:
     """Rows of a JSON array or a JSONL file, gzip-compressed or not (told by its first bytes, not its name),
-    with or without a UTF-8 byte order mark."""
+    with or without a UTF-8 byte order mark. JSONL is read line by line (a count stops reading early); an array
+    is decoded row by row from the text."""
     import gzip
 
     with open(path, "rb") as f:
         magic = f.read(2)
     with (gzip.open if magic == b"\x1f\x8b" else open)(path, "rb") as f:
-        blob = f.read()
-    if blob.startswith(b"\xef\xbb\xbf"):
-        blob = blob[3:]
-    first = blob.lstrip()[:1]
-    if first == b"[":
-        try:
-            text = blob.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 (byte {e.start}: {blob[e.start:e.start + 1]!r}); re-encode the file "
-                             "as UTF-8") from None
-        yield from iter_json_array(text, report)
-        return
-    lines = blob.splitlines()
-    for k, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            report.skip("line not UTF-8")
-            continue
-        except json.JSONDecodeError:
-            if k == 0 and first == b"{":  # one JSON object over several lines, not JSONL
-                try:
-                    whole = json.loads(blob.decode("utf-8", errors="replace"))
-                except json.JSONDecodeError:
-                    whole = None
-                if isinstance(whole, dict):
-                    raise ValueError(f"{path}: one JSON object (keys {sorted(whole)[:8]}), not rows; give a JSON array "
-                                     "of rows or JSONL (one row per line), e.g. the list under one of those keys") from None
-            report.skip("invalid JSON line")
-            continue
-        if k == 0 and len(lines) == 1 and isinstance(row, dict) and not _row_kind(row):
-            lists = sorted(key for key, v in row.items() if isinstance(v, list))
-            if lists:
-                raise ValueError(f"{path}: one JSON object (keys {sorted(row)[:8]}), not rows; give a JSON array of rows "
-                                 f"or JSONL (one row per line), e.g. the list under {lists[0]!r}")
-        yield row
+        head = f.read(1 << 16)
+        if head.startswith(b"\xef\xbb\xbf"):
+            head = head[3:]
+        first = head.lstrip()[:1]
+        if first == b"[":
+            blob = head + f.read()
+            try:
+                text = blob.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not UTF-8 (byte {e.start}: {blob[e.start:e.start + 1]!r}); re-encode the "
+                                 "file as UTF-8") from None
+            yield from iter_json_array(text, report)
+            return
+        lines = _lines(head, f)
+        for k, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError:
+                report.skip("line not UTF-8")
+                continue
+            except json.JSONDecodeError:
+                if k == 0 and first == b"{":  # perhaps one JSON object over several lines, not JSONL
+                    rest = line + b"\n" + b"\n".join(lines)
+                    try:
+                        whole = json.loads(rest.decode("utf-8", errors="replace"))
+                    except json.JSONDecodeError:
+                        whole = None
+                    if isinstance(whole, dict):
+                        raise ValueError(f"{path}: one JSON object (keys {sorted(whole)[:8]}), not rows; give a JSON "
+                                         "array of rows or JSONL (one row per line), e.g. the list under one of those "
+                                         "keys") from None
+                    report.skip("invalid JSON line")
+                    return
+                report.skip("invalid JSON line")
+                continue
+            if k == 0 and isinstance(row, dict) and not _row_kind(row):
+                lists = sorted(key for key, v in row.items() if isinstance(v, list) and v and isinstance(v[0], dict))
+                if lists:
+                    raise ValueError(f"{path}: one JSON object (keys {sorted(row)[:8]}), not rows; give a JSON array of "
+                                     f"rows or JSONL (one row per line), e.g. the list under {lists[0]!r}")
+            yield row
+
+
+def _lines(head: bytes, f) -> Iterator[bytes]:
+    """Lines of a binary stream whose first bytes were already read into `head`."""
+    rest = b""
+    for chunk in (head, *iter(lambda: f.read(1 << 20), b"")):
+        parts = (rest + chunk).split(b"\n")
+        rest = parts.pop()
+        yield from parts
+    if rest:
+        yield rest
 
 
 def _row_kind(row: dict) -> str | None:
@@ -309,7 +357,8 @@ def load_source(spec: str, report: LoadReport | None = None) -> list[Conversatio
     else:
         path = sharegpt_package_path() if where in ("", "pkg") else where
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"data source {spec!r}: {path} does not exist")
+            raise FileNotFoundError(f"data source {spec!r}: {path} "
+                                    f"{'is a directory, not a file' if os.path.isdir(path) else 'does not exist'}")
         rows = _named_errors(spec, _rows_from_file(path, report))
     out = []
     for i, row in enumerate(rows):

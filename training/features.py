@@ -68,9 +68,17 @@ def rendered_trainable(tok, convs: list[Conversation], reasoning: str, max_token
     return rendered, [i for i, r in enumerate(rendered) if r is not None and sum(r.loss_mask) and len(r.input_ids) >= 4]
 
 
+def last_turn_only(convs: list[Conversation], rendered: list, trainable: list[int]) -> int:
+    """How many of these trainable conversations have several assistant turns but train only the last (their
+    template rewrites history: chat.render's as-served rendering): reported, not silent."""
+    return sum(1 for i in trainable if rendered[i].as_served
+               and sum(m["role"] == "assistant" for m in convs[i].messages) > 1)
+
+
 class FeatureExtractor:
     def __init__(self, target, tokenizer, aux_output_ids, max_tokens: int = 2048, reasoning: str = "drop",
                  dtype=torch.bfloat16):
+        self.last_turn_only = 0  # multi-turn conversations the template let train only on their last turn
         self.target, self.tok = target.eval(), tokenizer
         self.aux_output_ids = list(aux_output_ids)
         self.max_tokens, self.reasoning, self.dtype = max_tokens, reasoning, dtype
@@ -95,6 +103,7 @@ class FeatureExtractor:
         launch-bound on one short sequence at a time)."""
         batch_tokens = self.batch_tokens if batch_tokens is None else batch_tokens
         rendered, trainable = rendered_trainable(self.tok, convs, self.reasoning, self.max_tokens)
+        self.last_turn_only += last_turn_only(convs, rendered, trainable)
         out: list[Features | None] = [None] * len(convs)
         todo = sorted(trainable, key=lambda i: len(rendered[i].input_ids))
         batches = cut_by_length(todo, lambda i: len(rendered[i].input_ids), batch_tokens)
@@ -158,6 +167,7 @@ class ServerFeatureExtractor:
 
         self.url = base_url.rstrip("/") + "/generate"
         self.tok, self.feature_dir = tokenizer, feature_dir
+        self.last_turn_only = 0
         self.max_tokens, self.reasoning, self.dtype = max_tokens, reasoning, dtype
         self.concurrency, self._post = concurrency, lambda payload: post_json(self.url, payload, retries, timeout)
         self.aux_width = aux_width  # layers x hidden the trainer expects
@@ -182,6 +192,7 @@ class ServerFeatureExtractor:
 
     def many(self, convs: list[Conversation], batch_tokens: int | None = None) -> list[Features | None]:
         rendered, todo = rendered_trainable(self.tok, convs, self.reasoning, self.max_tokens)
+        self.last_turn_only += last_turn_only(convs, rendered, todo)
         out: list[Features | None] = [None] * len(convs)
         with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
             for i, f in zip(todo, pool.map(lambda i: self._one(rendered[i]), todo)):
@@ -200,6 +211,10 @@ def _pack(records: list[Features]) -> dict[str, torch.Tensor]:
 
 
 def _unpack(t: dict[str, torch.Tensor]) -> list[Features]:
+    n = int(t["lengths"].sum())
+    if not n == len(t["input_ids"]) == len(t["loss_mask"]) == len(t["aux"]) == len(t["last_hidden"]):
+        raise ValueError(f"a feature shard whose record lengths add to {n} tokens holds {len(t['input_ids'])} ids, "
+                         f"{len(t['aux'])} aux rows and {len(t['last_hidden'])} hidden rows")
     out, start = [], 0
     for n in t["lengths"].tolist():
         sl = slice(start, start + n)

@@ -51,7 +51,13 @@ def _context(messages: list[dict]) -> list[tuple]:
 
 def resumable(done: dict[str, Conversation], convs: list[Conversation], path: str) -> None:
     """Refuse to resume from a file whose conversation of the same id was regenerated from other user turns (the
-    data changed under the same --work): training would silently take the old data."""
+    data changed under the same --work): training would silently take the old data. Ids must be unique (the file
+    is keyed by them; data.unique_ids renames repeats)."""
+    ids = [c.id for c in convs]
+    if len(set(ids)) < len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"conversation id {dup!r} appears more than once; regeneration writes and resumes by id, so "
+                         "one would overwrite the other (training.data.unique_ids renames repeats)")
     for c in convs:
         old = done.get(c.id)
         if old is not None and _context(old.messages) != _context(c.messages):

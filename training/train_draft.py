@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -28,7 +29,7 @@ from sglang_ext.core.decoder import ReferenceDecoder
 from sglang_ext.core.heads import Eagle3Head, head_config_for
 from sglang_ext.core.targets import load_target, load_target_weights, load_tokenizer
 from training import data as data_mod
-from training.chat import ChatTemplateError, apply_template, prompt_ids, require_chat_template
+from training.chat import ChatTemplateError, apply_template, prompt_ids, prompt_opens_think, require_chat_template
 from training.features import (FeatureExtractor, ServerFeatureExtractor, online, read_shards, records_of,
                                write_shards)
 from training.regenerate import GenerationOptions, LocalRegenerator, ServerRegenerator
@@ -78,13 +79,20 @@ def apply_yaml_defaults(ap: argparse.ArgumentParser, path: str) -> dict:
         elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             if not isinstance(value, bool):
                 ap.error(f"--config {path}: {key}: true or false, got {value!r}")
-        elif action.type is not None and value is not None:
+        elif value is None:
+            if action.default is not None:
+                ap.error(f"--config {path}: {key}: needs a value (leave the key out for the default, {action.default!r})")
+        elif action.type is not None:
             try:
-                value = action.type(value) if not isinstance(value, bool) else None
+                converted = action.type(value) if not isinstance(value, bool) else None
             except (TypeError, ValueError):
-                value = None
-            if value is None:
-                ap.error(f"--config {path}: {key}: {values[key]!r} is not a {getattr(action.type, '__name__', 'value')}")
+                converted = None
+            if converted is None or (action.type is int and isinstance(value, float) and value != converted):
+                kind = {int: "a whole number", float: "a number"}.get(action.type, "a valid value")
+                ap.error(f"--config {path}: {key}: {value!r} is not {kind}")
+            value = converted
+        elif not isinstance(value, str):  # a string option (a path, "1,14,26"): a YAML list or number is refused
+            ap.error(f"--config {path}: {key}: {value!r}; a string, e.g. {key}: \"{action.default or '...'}\"")
         if action.choices is not None and value not in action.choices:
             ap.error(f"--config {path}: {key}: {value!r}; choose from {sorted(action.choices)}")
         defaults[key] = value
@@ -342,9 +350,15 @@ def init_distributed(args):
     return world, dist.get_rank(), dist.new_group(backend="gloo", timeout=timedelta(hours=24))
 
 
+EXPORT_FILES = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|added_tokens|vocab)"
+                          r"\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|merges\.txt|"
+                          r"tokenizer\.model|chat_template\.(jinja|json)|training_report\.json")
+
+
 def export_dir_problem(out: str) -> str | None:
-    """Why --out cannot take an export (None: it can): checked at start, not after training."""
-    out = os.path.abspath(out)
+    """Why --out cannot take an export (None: it can): checked at start, not after training. The export replaces
+    the directory whole, so it must be new, empty, or an earlier export holding only what an export writes."""
+    out = os.path.realpath(out)  # a link to a directory: the export goes where it points, the link stays
     if os.path.lexists(out) and not os.path.isdir(out):
         return f"{out} exists and is not a directory"
     if os.path.isdir(out) and os.listdir(out):
@@ -353,8 +367,12 @@ def export_dir_problem(out: str) -> str | None:
             ours = "eagle_config" in cfg or any("Eagle3" in a for a in cfg.get("architectures") or [])
         except (OSError, ValueError, AttributeError):
             ours = False
-        if not ours:  # the export replaces the directory whole: never someone else's files
+        if not ours:
             return f"{out} holds files that are not an Eagle3 export; give a new or empty directory"
+        foreign = sorted(f for f in os.listdir(out) if not EXPORT_FILES.fullmatch(f))
+        if foreign:
+            return (f"{out} is an export but also holds {foreign[:5]}, which replacing it would delete; move them, or "
+                    "give a new directory")
     parent = os.path.dirname(out)
     while parent and not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -377,7 +395,8 @@ def replace_dir(new: str, out: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     problem = export_dir_problem(args.out)
-    out_abs, work_abs = os.path.abspath(args.out), os.path.abspath(args.work)
+    args.out = os.path.realpath(args.out)
+    out_abs, work_abs = args.out, os.path.realpath(args.work)
     if os.path.commonpath([out_abs, work_abs]) in (out_abs, work_abs):  # the export replaces --out whole
         problem = f"is, holds or lies in --work {args.work}; give them separate directories"
     if problem:
@@ -463,6 +482,10 @@ def load_conversations(args, tok) -> list:
               "their rows from 0): renamed <id>~<k>")
     if args.turns == "first":
         convs = [data_mod.first_turn(c) for c in convs]
+    if args.reasoning == "drop" and prompt_opens_think(tok):
+        print("[train-draft] warning: the target's generation prompt opens <think> (a reasoning model), and "
+              "--reasoning drop trains on its answers without the reasoning it writes first; the draft will not "
+              "have seen what it is served on. --reasoning keep trains on both")
     kept, refused, too_long = [], {}, 0
     for c in convs:  # the template is tried on every conversation now, not after regeneration
         first = next(i for i, m in enumerate(c.messages) if m["role"] == "assistant")
@@ -535,6 +558,9 @@ def prepare_features(args, tok, target, aux_ids, device, feat_dir, convs):
         records = list(online(extractor, train_convs))
         records_held = list(online(extractor, held_convs))
     extractor.close()
+    if extractor.last_turn_only:
+        print(f"[train-draft] {extractor.last_turn_only} multi-turn conversations trained on their last assistant turn "
+              "only: the chat template renders earlier turns differently once they are history (docs/design.md)")
     if not records:
         raise SystemExit(f"python -m training.train_draft: error: none of the {len(train_convs)} regenerated training "
                          "conversations has an assistant token to train on (empty answers, or all cut by --max-tokens "
@@ -605,6 +631,9 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
     train_s = time.time() - t
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tokens_per_s = metrics.get("tokens_trained", 0) * world / max(train_s, 1e-9)  # all ranks: equal shares
+    if metrics.get("resumed_finished"):
+        print(f"[train-draft] nothing to train: the checkpoint in {args.work} is a finished run (step "
+              f"{metrics['step']}); exporting it again. A new --work trains anew")
     print(f"[train-draft] trained {metrics.get('step')} steps in {train_s:.0f}s "
           f"({tokens_per_s:.0f} tokens/s, {metrics.get('epochs', 0):.2f} epochs); last loss {metrics.get('loss', 0):.3f}"
           + (f"; schedule fitted to the time limit ({metrics['total_steps']} of {metrics['planned_steps']} "

@@ -367,8 +367,12 @@ def checkpoint_meta(path: str) -> dict:
     """The checkpoint's step and identity: from its weights file (what the state is), else trainer.json (older runs)."""
     from safetensors import safe_open
 
-    with safe_open(os.path.join(path, "state.safetensors"), "pt") as f:
-        meta = (f.metadata() or {}).get("trainer")
+    try:
+        with safe_open(os.path.join(path, "state.safetensors"), "pt") as f:
+            meta = (f.metadata() or {}).get("trainer")
+    except Exception as e:  # safetensors' own error type for a cut or damaged file
+        raise ValueError(f"checkpoint {path}/state.safetensors cannot be read ({type(e).__name__}: {e}); delete {path} "
+                         "to train from the start") from None
     if meta is not None:
         return json.loads(meta)
     try:
@@ -486,7 +490,9 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
                 "records_fingerprint": records_fingerprint(records), "world_size": world}
     if checkpoint_dir and resume and os.path.exists(os.path.join(checkpoint_dir, "state.safetensors")):
         saved = checkpoint_meta(checkpoint_dir)
-        differ = identity_differences(saved.get("identity") or {}, json.loads(json.dumps(identity)))
+        old = json.loads(json.dumps(saved.get("identity") or {}))
+        old.get("train_config", {}).pop("checkpoint_every", None)  # not part of a run's identity since session 18
+        differ = identity_differences(old, json.loads(json.dumps(identity)))
         if differ:
             raise ValueError(f"checkpoint {checkpoint_dir} was written by a run with other options or data ("
                              + "; ".join(differ[:6]) + "); resume with the same ones, or use a new --work directory "
