@@ -971,3 +971,14 @@ def test_openai_rows_normalise():
     assert D.normalise([U1, {"role": "tool", "content": "{}"}], rep) is None
     assert D.normalise([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, A1], rep) is None
     assert any("'tool'" in r for r in rep.reasons) and any("image_url" in r for r in rep.reasons)
+
+
+def test_a_cut_last_line_is_found_from_the_end_of_a_long_file(tmp_path):
+    from training.regenerate import open_for_append
+
+    p = tmp_path / "regen.jsonl"
+    whole = "".join(json.dumps({"id": str(i), "messages": [U1, A1], "pad": "x" * 900}) + "\n" for i in range(200))
+    p.write_text(whole + '{"id": "cut", "messages": [' + "y" * 70000)  # a cut line longer than the block read
+    with open_for_append(str(p)) as f:
+        f.write("next\n")
+    assert p.read_text() == whole + "next\n"

@@ -71,10 +71,19 @@ def open_for_append(path: str):
     last line would otherwise glue onto the next record, and both would be lost."""
     if os.path.exists(path):
         with open(path, "rb+") as f:
-            data = f.read()
-            keep = data.rfind(b"\n") + 1
-            if keep < len(data):
-                f.truncate(keep)
+            end = f.seek(0, os.SEEK_END)
+            at = end
+            while at > 0:  # back from the end, a block at a time, to the last newline
+                start = max(0, at - (1 << 16))
+                f.seek(start)
+                block = f.read(at - start)
+                nl = block.rfind(b"\n")
+                if nl >= 0:
+                    at = start + nl + 1
+                    break
+                at = start
+            if at < end:
+                f.truncate(at)
     return open(path, "a")
 
 
@@ -111,7 +120,12 @@ class LocalRegenerator:
         n_turns = max((sum(m["role"] == "assistant" for m in c.messages) for c in todo), default=0)
         bar = tqdm(total=sum(sum(m["role"] == "assistant" for m in c.messages) for c in todo),
                    desc="regenerate (in-process)", unit="turn", mininterval=5)
-        f = open_for_append(out_path)
+        with open_for_append(out_path) as f:
+            self._waves(work, last_turn, n_turns, done, f, bar)
+        bar.close()
+        return [done[c.id] for c in convs]
+
+    def _waves(self, work: dict, last_turn: dict, n_turns: int, done: dict, f, bar) -> None:
         for turn in range(n_turns):  # wave by wave: turn i of every conversation that has one
             jobs = []
             for cid, msgs in work.items():
@@ -128,9 +142,6 @@ class LocalRegenerator:
                         done[cid] = Conversation(cid, work[cid])
                         _write(f, done[cid])
                 bar.update(len(chunk))
-        bar.close()
-        f.close()
-        return [done[c.id] for c in convs]
 
 
 class ServerRegenerator:
