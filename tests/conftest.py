@@ -1,6 +1,9 @@
+import contextlib
+import http.server
 import json
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -8,6 +11,19 @@ from safetensors.torch import save_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_TEST = os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k", "test.jsonl")
+
+
+@contextlib.contextmanager
+def stub_server(handler: type[http.server.BaseHTTPRequestHandler]):
+    """A local HTTP server answering with `handler` (a stand-in for what a client talks to: a refusing server, an
+    SGLang feature endpoint); yields its base URL, shut down on exit."""
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_port}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 def write_model_dir(path, config: dict, tensors: dict | None = None):

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from conftest import GSM8K_TEST
+from conftest import GSM8K_TEST, stub_server
 from eval import gsm8k as G
 
 
@@ -229,7 +229,6 @@ def test_bench_keeps_failed_requests_out_of_the_figures_and_says_so():
 
 def test_a_server_that_refuses_a_request_is_not_retried_and_its_message_kept():
     import http.server
-    import threading
 
     from sglang_ext.http_client import ServerRefused, post_json
 
@@ -247,11 +246,6 @@ def test_a_server_that_refuses_a_request_is_not_retried_and_its_message_kept():
         def log_message(self, *a):
             pass
 
-    srv = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        with pytest.raises(ServerRefused, match="HTTP 400.*longer than the context"):
-            post_json(f"http://127.0.0.1:{srv.server_port}/v1/chat/completions", {}, retries=3)
-        assert len(calls) == 1
-    finally:
-        srv.shutdown()
+    with stub_server(Refuse) as url, pytest.raises(ServerRefused, match="HTTP 400.*longer than the context"):
+        post_json(f"{url}/v1/chat/completions", {}, retries=3)
+    assert len(calls) == 1

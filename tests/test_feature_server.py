@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from conftest import stub_server
 from sglang_ext.core import tiny
 from sglang_ext.core.capture import AuxCapture
 from sglang_ext.serving import feature_capture as FC
@@ -110,13 +111,10 @@ class StandIn(http.server.BaseHTTPRequestHandler):
 def test_server_extractor_gives_the_in_process_records(pair, tmp_path):
     target, tok = pair
     StandIn.target, StandIn.tok, StandIn.root, StandIn.rids = target, tok, str(tmp_path), []
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
+    with stub_server(StandIn) as url:
         convs = conversations() + [D.Conversation("empty", [{"role": "user", "content": "hi"}])]  # nothing to train
         local = FeatureExtractor(target, tok, AUX, dtype=torch.bfloat16).many(convs)
-        remote = ServerFeatureExtractor(f"http://127.0.0.1:{srv.server_port}", tok, str(tmp_path), concurrency=3,
-                                        aux_width=3 * 64).many(convs)
+        remote = ServerFeatureExtractor(url, tok, str(tmp_path), concurrency=3, aux_width=3 * 64).many(convs)
         assert remote[-1] is None and local[-1] is None and len(StandIn.rids) == 5
         assert all(r.startswith(FC.RID_PREFIX) for r in StandIn.rids) and len(set(StandIn.rids)) == 5
         for a, b in zip(local[:-1], remote[:-1]):
@@ -124,10 +122,7 @@ def test_server_extractor_gives_the_in_process_records(pair, tmp_path):
             assert torch.equal(a.aux, b.aux) and torch.equal(a.last_hidden, b.last_hidden)
         assert os.listdir(tmp_path) == []  # every request's files read and removed
         with pytest.raises(RuntimeError, match="SGLANG_EXT_EAGLE3_AUX_LAYERS"):  # the trainer expects 4 layers
-            ServerFeatureExtractor(f"http://127.0.0.1:{srv.server_port}", tok, str(tmp_path),
-                                   aux_width=4 * 64).many(convs[:1])
-    finally:
-        srv.shutdown()
+            ServerFeatureExtractor(url, tok, str(tmp_path), aux_width=4 * 64).many(convs[:1])
 
 
 def test_feature_server_refuses_a_radix_cache_and_turns_capture_on():
@@ -206,17 +201,12 @@ def test_train_draft_with_only_the_target_weights_it_needs(tmp_path, capsys, fmt
     feats = tmp_path / "features"
     feats.mkdir()
     StandIn.target, StandIn.tok, StandIn.root, StandIn.rids = full, tok, str(feats), []
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{srv.server_port}"
-    try:
+    with stub_server(StandIn) as url:
         rc = main(["--target", target_dir, "--target-weights-only", "--regen-server", url, "--features-server", url,
                    "--features-dir", str(feats), "--data", f"messages:{data}", "--draft-format", fmt,
                    "--work", str(tmp_path / "work"), "--out", str(tmp_path / "head"), "--eval-data", str(gsm),
                    "--eval-prompts", "1", "--max-new-tokens", "8", "--epochs", "1", "--draft-vocab-size", "128",
                    "--ttt-steps", "2", "--aux-layers", "1,3,4", "--device", "cpu"])
-    finally:
-        srv.shutdown()
     assert rc == 0 and len(StandIn.rids) == 12
     report = json.load(open(tmp_path / "head" / "training_report.json"))
     assert report["acceptance"]["trained"] is None and report["train_conversations"] > 0

@@ -201,7 +201,8 @@ def test_server_post_reads_json_and_plain_text_answers():
     """SGLang's /start_profile answers plain text ("Start profiling."); session 9's benchmark parsed it as JSON,
     failed, and stopped the server mid-run. Server.post returns JSON answers decoded and others as text."""
     import http.server
-    import threading
+
+    from conftest import stub_server
 
     sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
     import serverlib
@@ -218,15 +219,11 @@ def test_server_post_reads_json_and_plain_text_answers():
         def log_message(self, *args):
             pass
 
-    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
+    with stub_server(Handler) as url:
         srv = serverlib.Server.__new__(serverlib.Server)  # a client of this stub, no SGLang process
-        srv.url = f"http://127.0.0.1:{httpd.server_port}"
+        srv.url = url
         assert srv.post("/generate", {"text": "hi"}) == {"text": "ok"}
         assert srv.post("/start_profile", {"num_steps": 10}) == "Start profiling.\n"
-    finally:
-        httpd.shutdown()
 
 
 def test_pipeline_refuses_an_unknown_step_to_skip_and_names_the_choices():

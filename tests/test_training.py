@@ -872,6 +872,33 @@ def test_an_answer_that_was_all_reasoning_is_skipped_under_drop():
         assert render(tok, [U2, {"role": "assistant", "content": content}], reasoning="keep").loss_mask
 
 
+def test_template_probes_render_once_per_template_and_follow_a_changed_template():
+    """end_of_turn / turn_prefix / prompt_opens_think render probe conversations: once per template, not on each of the
+    conversations feature capture renders; another template (or other special tokens) is probed afresh."""
+    from training.chat import end_of_turn
+
+    tok = real_template("deepseek_r1", bos="<｜begin▁of▁sentence｜>")
+    calls = []
+    apply = tok.apply_chat_template
+    tok.apply_chat_template = lambda messages, **kw: calls.append(messages) or apply(messages, **kw)
+    answer = {"role": "assistant", "content": "two and two\n</think>\n\nFour"}
+    first = render(tok, [U2, answer], reasoning="drop")  # probes the template (unless a test before did)
+    calls.clear()
+    again = render(tok, [U2, answer], reasoning="drop")
+    probes = [m for m in calls if any("sglang-ext-probe" in x["content"] or x["content"] == "Hi" for x in m)]
+    assert again == first and probes == [] and calls
+    assert end_of_turn(tok) == "<｜end▁of▁sentence｜>"
+    tok.chat_template = tok.chat_template.replace("<｜end▁of▁sentence｜>", "<|im_end|>")
+    assert end_of_turn(tok) == "<|im_end|>"  # the changed template, not the cached answer
+    chatml = tokenizer(None)
+    assert end_of_turn(chatml) == "<|im_end|>"
+    chatml.chat_template = chatml.chat_template.replace("'<|im_end|>'", "eos_token")
+    chatml.eos_token = "<｜end▁of▁sentence｜>"
+    assert end_of_turn(chatml) == "<｜end▁of▁sentence｜>"
+    chatml.eos_token = "<|im_user|>"  # only a special token changed: probed afresh
+    assert end_of_turn(chatml) == "<|im_user|>"
+
+
 def test_reasoning_keep_passes_the_field_to_a_template_that_renders_it():
     from training.chat import apply_reasoning
 

@@ -64,8 +64,32 @@ def renders_reasoning_field(tokenizer) -> bool:
     return isinstance(template, str) and "reasoning_content" in template
 
 
+# What a template does around an answer (end-of-turn marker, text before an answer, a generation prompt that opens
+# <think>) is found by rendering probe conversations; a template renders them the same every time, so each is
+# rendered once per template, not once per conversation (the feature capture renders every conversation).
+_PROBES: dict[tuple, object] = {}
+
+
+def _template_key(tokenizer) -> tuple:
+    """What a probe's rendering depends on: the template and the special tokens apply_chat_template passes it."""
+    tokens = getattr(tokenizer, "special_tokens_map", None) or {}
+    return (type(tokenizer).__name__, repr(getattr(tokenizer, "chat_template", None)),
+            repr(sorted((k, str(v)) for k, v in tokens.items())))
+
+
+def _probed(name: str, tokenizer, compute):
+    key = (name, _template_key(tokenizer))
+    if key not in _PROBES:
+        _PROBES[key] = compute(tokenizer)  # a template that refuses the probe raises each time: nothing cached
+    return _PROBES[key]
+
+
 def prompt_opens_think(tokenizer) -> bool:
     """Whether the template's generation prompt opens a <think> block itself (DeepSeek-R1, Qwen3-Thinking)."""
+    return _probed("prompt_opens_think", tokenizer, _prompt_opens_think)
+
+
+def _prompt_opens_think(tokenizer) -> bool:
     try:
         gp = apply_template(tokenizer, [{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     except ChatTemplateError:
@@ -116,6 +140,10 @@ def apply_template(tokenizer, messages: list[dict], add_generation_prompt: bool 
 def end_of_turn(tokenizer) -> str:
     """What the template writes after an assistant turn's text, less trailing whitespace (ChatML's <|im_end|>,
     DeepSeek's <｜end▁of▁sentence｜>, Llama-3's <|eot_id|>); the EOS token when it writes nothing."""
+    return _probed("end_of_turn", tokenizer, _end_of_turn)
+
+
+def _end_of_turn(tokenizer) -> str:
     probe = "sglang-ext-probe-7f3a"
     text = apply_template(tokenizer, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}])
     tail = text[text.rindex(probe) + len(probe):].rstrip() if probe in text else ""
@@ -138,6 +166,10 @@ def _consistent_spans(tokenizer, messages: list[dict], full: str) -> list[tuple[
 def turn_prefix(tokenizer) -> str:
     """What the template writes between its generation prompt and an answer's text (Mistral's " "; none for ChatML,
     and none where the generation prompt holds more than a finished turn's header, as DeepSeek-R1's `<think>`)."""
+    return _probed("turn_prefix", tokenizer, _turn_prefix)
+
+
+def _turn_prefix(tokenizer) -> str:
     probe = "sglang-ext-probe-7f3a"
     gp = apply_template(tokenizer, [{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     text = apply_template(tokenizer, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}])
