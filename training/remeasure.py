@@ -1,0 +1,125 @@
+"""Re-measure an exported head's acceptance estimate: load the head from its exported files (as a server would, not
+from the trainer's memory), run the core's reference decoder on the same prompts as its training_report.json, and
+pair the two per prompt.
+
+    python -m training.remeasure --draft out/draft --target TARGET [--device cpu] [--dtype fp32] [--prompts N]
+
+The report's figure is one measurement (another precision, device or batch parts greedy outputs, and a parted prompt
+accepts differently from there on), so "the same" means within the paired noise: |difference| <= 2 paired standard
+errors (docs/metrics.md). Exit status 0 when within it, 1 when not, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+class RemeasureError(ValueError):
+    pass
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m training.remeasure", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", required=True, help="an exported head directory holding training_report.json")
+    ap.add_argument("--target", required=True, help="the target it was trained on (directory, hub name or GGUF)")
+    ap.add_argument("--eval-data", help="the report's GSM8K source, where its recorded path is not readable here "
+                                        "(e.g. a report written on another machine)")
+    ap.add_argument("--prompts", type=int, help="only the report's first N prompts (default: all)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--out", help="write the comparison, with both sides' per-prompt counts, to this JSON file")
+    args = ap.parse_args(argv)
+    if args.prompts is not None and args.prompts < 1:
+        ap.error(f"--prompts {args.prompts}: a number of prompts >= 1")
+    return args
+
+
+def reference_of(draft: str) -> dict:
+    """The report's acceptance section, checked for what a paired re-measurement needs."""
+    path = os.path.join(draft, "training_report.json")
+    if not os.path.isfile(path):
+        raise RemeasureError(f"--draft {draft}: no training_report.json (a head exported by training.train_draft "
+                             "has one); for another head, measure it with `python -m eval.gsm8k --draft ...`")
+    with open(path) as f:
+        acc = json.load(f).get("acceptance") or {}
+    trained = acc.get("trained") or {}
+    if not trained.get("per_prompt"):
+        raise RemeasureError(f"{path}: acceptance.trained.per_prompt is missing (reports before session 17 kept "
+                             "totals only, and a --target-weights-only run has no estimate): nothing to pair against")
+    for field in ("eval_data", "prompts", "chain_steps", "max_new_tokens"):
+        if field not in acc:
+            raise RemeasureError(f"{path}: acceptance.{field} is missing; re-export the head with training.train_draft")
+    return acc
+
+
+def eval_source(acc: dict, override: str | None) -> str:
+    src = override or acc["eval_data"]
+    looks_local = src.startswith((os.sep, ".", "~")) or src.endswith((".json", ".jsonl", ".gz"))  # else a hub name
+    if looks_local and not os.path.exists(src):
+        raise RemeasureError(f"acceptance.eval_data {src!r} is not readable here; pass the same file with "
+                             "--eval-data (e.g. ../shared/data/gsm8k/test.jsonl)")
+    return src
+
+
+def compare(mine: list[dict], ref: list[dict]) -> dict:
+    from sglang_ext.core.accounting import paired_acceptance_difference
+
+    pair = paired_acceptance_difference([r["accepted_drafts"] for r in mine], [r["verify_steps"] for r in mine],
+                                        [r["accepted_drafts"] for r in ref], [r["verify_steps"] for r in ref])
+    se = None if math.isnan(pair["se"]) else pair["se"]
+    return {"prompts": len(mine), "remeasured": pair["a"], "report": pair["b"], "paired_difference": pair["difference"],
+            "paired_se": se, "within_noise": None if se is None else abs(pair["difference"]) <= 2 * se,
+            "identical_outputs": sum(a["output_ids"] == b["output_ids"] for a, b in zip(mine, ref))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        acc = reference_of(args.draft)
+        src = eval_source(acc, args.eval_data)
+    except RemeasureError as e:
+        print(f"python -m training.remeasure: error: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    from sglang_ext.core.heads import Eagle3Head
+    from sglang_ext.core.targets import load_target, load_tokenizer
+    from training.train_draft import acceptance_estimate, gsm8k_prompts
+
+    dtype = getattr(torch, DTYPES[args.dtype])
+    tok = load_tokenizer(args.target)
+    target = load_target(args.target, dtype=dtype, device=args.device)
+    head = Eagle3Head.from_pretrained(args.draft, target.get_input_embeddings().weight, dtype=dtype).to(args.device)
+    n = min(args.prompts or acc["prompts"], acc["prompts"])
+    prompts = gsm8k_prompts(tok, src, acc["prompts"])[:n]
+    ref = acc["trained"]["per_prompt"][:n]
+    if len(prompts) != len(ref):
+        print(f"python -m training.remeasure: error: {src} gives {len(prompts)} prompts, the report has {len(ref)}: "
+              "not the report's source; pass it with --eval-data", file=sys.stderr)
+        return 2
+    t = time.time()
+    est = acceptance_estimate(target, head, prompts, acc["chain_steps"], acc["max_new_tokens"], [tok.eos_token_id])
+    row = compare(est["per_prompt"], ref)
+    row.update(seconds=round(time.time() - t, 1), device=args.device, dtype=args.dtype,
+               chain_steps=acc["chain_steps"], max_new_tokens=acc["max_new_tokens"])
+    noise = ("no spread to measure noise by (one prompt)" if row["paired_se"] is None else
+             f"paired SE {row['paired_se']:.3f}: {'within' if row['within_noise'] else 'OUTSIDE'} the noise (2 SE)")
+    print(f"[remeasure] {row['prompts']} prompts, chain {acc['chain_steps']}, greedy, {args.dtype} on {args.device}: "
+          f"accepted drafts per step {row['remeasured']:.3f} re-measured vs {row['report']:.3f} in the report; "
+          f"difference {row['paired_difference']:+.3f}, {noise}; {row['identical_outputs']}/{row['prompts']} "
+          f"outputs identical; {row['seconds']:.0f}s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({**row, "per_prompt": {"remeasured": est["per_prompt"], "report": ref}}, f)
+    return 0 if row["within_noise"] is not False else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
