@@ -77,6 +77,12 @@ def test_bad_input_is_named_with_its_fix(exported, tmp_path, capsys):
     (tmp_path / "training_report.json").write_text(json.dumps(moved))
     assert main(["--draft", str(tmp_path), "--target", str(root / "target")]) == 2
     assert "pass the same file with --eval-data" in capsys.readouterr().err
+    assert main(["--draft", str(tmp_path), "--target", str(root / "target"), "--eval-data", "./nowhere.jsonl"]) == 2
+    assert "--eval-data './nowhere.jsonl': no such file" in capsys.readouterr().err
+    (tmp_path / "training_report.json").write_text("[1, 2]")
+    assert main(["--draft", str(tmp_path), "--target", str(root / "target")]) == 2
+    assert "not a training report" in capsys.readouterr().err
+    (tmp_path / "training_report.json").write_text(json.dumps(moved))
     # the override finds it; other data than the report's (fewer prompts) is refused, not paired
     short = tmp_path / "short.jsonl"
     short.write_text(json.dumps({"question": "one?", "answer": "#### 1"}) + "\n")

@@ -47,8 +47,11 @@ def reference_of(draft: str) -> dict:
     if not os.path.isfile(path):
         raise RemeasureError(f"--draft {draft}: no training_report.json (a head exported by training.train_draft "
                              "has one); for another head, measure it with `python -m eval.gsm8k --draft ...`")
-    with open(path) as f:
-        acc = json.load(f).get("acceptance") or {}
+    try:
+        with open(path) as f:
+            acc = json.load(f).get("acceptance") or {}
+    except (ValueError, AttributeError) as e:  # not JSON, or not an object
+        raise RemeasureError(f"{path}: not a training report ({e}); re-export the head with training.train_draft")
     trained = acc.get("trained") or {}
     if not trained.get("per_prompt"):
         raise RemeasureError(f"{path}: acceptance.trained.per_prompt is missing (reports before session 17 kept "
@@ -63,6 +66,9 @@ def eval_source(acc: dict, override: str | None) -> str:
     src = override or acc["eval_data"]
     looks_local = src.startswith((os.sep, ".", "~")) or src.endswith((".json", ".jsonl", ".gz"))  # else a hub name
     if looks_local and not os.path.exists(src):
+        if override:
+            raise RemeasureError(f"--eval-data {src!r}: no such file; give the report's GSM8K file "
+                                 f"(its acceptance.eval_data was {acc['eval_data']!r})")
         raise RemeasureError(f"acceptance.eval_data {src!r} is not readable here; pass the same file with "
                              "--eval-data (e.g. ../shared/data/gsm8k/test.jsonl)")
     return src
