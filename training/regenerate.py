@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+from collections import Counter
 
 import torch
 from tqdm import tqdm
@@ -53,9 +54,8 @@ def resumable(done: dict[str, Conversation], convs: list[Conversation], path: st
     """Refuse to resume from a file whose conversation of the same id was regenerated from other user turns (the
     data changed under the same --work): training would silently take the old data. Ids must be unique (the file
     is keyed by them; data.unique_ids renames repeats)."""
-    ids = [c.id for c in convs]
-    if len(set(ids)) < len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
+    dup = next((i for i, n in Counter(c.id for c in convs).items() if n > 1), None)
+    if dup is not None:
         raise ValueError(f"conversation id {dup!r} appears more than once; regeneration writes and resumes by id, so "
                          "one would overwrite the other (training.data.unique_ids renames repeats)")
     for c in convs:

@@ -204,3 +204,31 @@ def paired_acceptance_difference(drafts_a: list[int], steps_a: list[int], drafts
     rb, eb = _ratio_residuals(drafts_b, steps_b)
     return {"a": ra, "b": rb, "difference": ra - rb, "se": _spread([x - y for x, y in zip(ea, eb)]),
             "prompts": len(drafts_a)}
+
+
+def pair_with_reference(measured: list[dict], reference: list[dict], eos: int | None = None) -> dict:
+    """One head measured twice on the same prompts (rows of output_ids, verify_steps, accepted_drafts; same order):
+    greedy outputs part under bf16 (another kernel, another batch), and a parted prompt accepts differently from
+    there on, so "the same acceptance" means equal within the paired noise (|difference| <= 2 standard errors),
+    and, on the prompts whose outputs are identical, close to equal. A trailing `eos` is ignored in the identity
+    (a server may or may not return it). One prompt: no spread, so `paired_se` and `within_noise` are None."""
+    import math
+
+    def ids(r):
+        out = list(r["output_ids"])
+        return out[:-1] if eos is not None and out and out[-1] == eos else out
+
+    same = [i for i, (m, r) in enumerate(zip(measured, reference)) if ids(m) == ids(r)]
+    pair = paired_acceptance_difference([m["accepted_drafts"] for m in measured], [m["verify_steps"] for m in measured],
+                                        [r["accepted_drafts"] for r in reference],
+                                        [r["verify_steps"] for r in reference])
+
+    def rate(rows):
+        steps = sum(rows[i]["verify_steps"] for i in same)
+        return sum(rows[i]["accepted_drafts"] for i in same) / steps if steps else None
+
+    se = None if math.isnan(pair["se"]) else pair["se"]
+    return {"measured": pair["a"], "reference": pair["b"], "paired_difference": pair["difference"], "paired_se": se,
+            "within_noise": None if se is None else abs(pair["difference"]) <= 2 * se,
+            "identical_outputs": len(same), "measured_on_identical": rate(measured),
+            "reference_on_identical": rate(reference)}

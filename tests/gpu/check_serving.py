@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import math
 import os
 import random
 import re
@@ -219,30 +218,14 @@ def same_prompts_acceptance(srv: Server, head: str) -> dict | None:
 
 
 def pair_with_reference(server: list[dict], reference: list[dict], eos: int | None) -> dict:
-    """The server's and the reference decoder's acceptance on the same prompts, paired per prompt. Greedy outputs
-    part under bf16 (another kernel, another batch), and a parted prompt accepts differently from there on, so
-    "the same acceptance" means: equal within the paired noise (|difference| <= 2 standard errors), and, on the
-    prompts whose outputs are identical, close to equal (the drafts there see the same tokens)."""
-    from sglang_ext.core.accounting import paired_acceptance_difference
+    """The server's and the reference decoder's acceptance on the same prompts, paired per prompt
+    (`accounting.pair_with_reference`; the server may or may not return the trailing EOS)."""
+    from sglang_ext.core.accounting import pair_with_reference as pair
 
-    def ids(r):  # a trailing EOS is the reference's last token; the server may or may not return it
-        out = list(r["output_ids"])
-        return out[:-1] if out and out[-1] == eos else out
-
-    same = [i for i, (s, r) in enumerate(zip(server, reference)) if ids(s) == ids(r)]
-    pair = paired_acceptance_difference([s["accepted_drafts"] for s in server], [s["verify_steps"] for s in server],
-                                        [r["accepted_drafts"] for r in reference],
-                                        [r["verify_steps"] for r in reference])
-
-    def rate(rows):
-        steps = sum(rows[i]["verify_steps"] for i in same)
-        return sum(rows[i]["accepted_drafts"] for i in same) / steps if steps else None
-
-    se = None if math.isnan(pair["se"]) else pair["se"]  # one prompt: no spread to measure noise by
-    return {"paired_difference": pair["difference"], "paired_se": se,
-            "within_noise": None if se is None else abs(pair["difference"]) <= 2 * se,
-            "identical_outputs": len(same), "server_on_identical": rate(server),
-            "reference_on_identical": rate(reference)}
+    p = pair(server, reference, eos)
+    return {"paired_difference": p["paired_difference"], "paired_se": p["paired_se"], "within_noise": p["within_noise"],
+            "identical_outputs": p["identical_outputs"], "server_on_identical": p["measured_on_identical"],
+            "reference_on_identical": p["reference_on_identical"]}
 
 
 def rename_mla_head():
