@@ -128,6 +128,32 @@ def test_served_acceptance_is_paired_with_the_reference_per_prompt():
     assert "noise unknown" in cell and "OUTSIDE" not in cell and "1/1 outputs identical" in cell
 
 
+def test_same_prompts_row_keeps_the_served_rows_so_the_figure_can_be_recounted():
+    """serving.json must let someone else recount the served acceptance and its pairing from the outputs alone."""
+    sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+    from check_serving import same_prompts_row
+
+    from sglang_ext.core.accounting import pair_with_reference
+
+    ref = [{"output_ids": [5, 6, 7, 2], "verify_steps": 2, "accepted_drafts": 2},
+           {"output_ids": [4, 4, 4], "verify_steps": 2, "accepted_drafts": 0},
+           {"output_ids": [3, 3, 3, 3], "verify_steps": 1, "accepted_drafts": 2}]
+    served = [{"output_ids": [5, 6, 7], "verify_steps": 2, "accepted_drafts": 2},
+              {"output_ids": [4, 1, 1, 1, 1], "verify_steps": 2, "accepted_drafts": 2},
+              {"output_ids": [3, 3, 3, 3], "verify_steps": 1, "accepted_drafts": 2}]
+    report = {"chain_steps": 3, "trained": {"accepted_drafts_per_step": 4 / 5, "per_prompt": ref}}
+    row = json.loads(json.dumps(same_prompts_row(served, report, eos=2)))  # as written to serving.json
+    kept = row["server_per_prompt"]
+    assert kept == served
+    recount = pair_with_reference(kept, report["trained"]["per_prompt"], eos=2)
+    assert row["server_accepted_drafts_per_step"] == recount["measured"] == 6 / 5
+    assert row["paired_difference"] == recount["paired_difference"] and row["identical_outputs"] == 2
+    assert row["server_verify_steps"] == 5 and row["reference_chain_steps"] == 3
+    # a report from before per-prompt pairing: totals only, no pairing claimed
+    old = same_prompts_row(served, {"chain_steps": 3, "trained": {"accepted_drafts_per_step": 0.8}}, eos=2)
+    assert "paired_difference" not in old and old["server_per_prompt"] == served
+
+
 def test_compare_tp_reads_deterministic_arms_against_the_deterministic_target():
     sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
     from compare_tp import compare_runs

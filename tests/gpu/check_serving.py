@@ -202,18 +202,24 @@ def same_prompts_acceptance(srv: Server, head: str) -> dict | None:
     sp = {"temperature": 0, "max_new_tokens": acc.get("max_new_tokens", 128)}
     with cf.ThreadPoolExecutor(16) as pool:
         outs = list(pool.map(lambda p: srv.post("/generate", {"input_ids": p, "sampling_params": sp}), ps))
-    metas = [o["meta_info"] for o in outs]
-    steps = sum(m.get("spec_verify_ct", 0) for m in metas)
-    drafts = sum(m.get("spec_accepted_drafts", 0) for m in metas)
-    row = {"prompts": len(ps), "server_accepted_drafts_per_step": drafts / steps if steps else 0.0,
+    return same_prompts_row([{"output_ids": o.get("output_ids") or [],
+                              "verify_steps": o["meta_info"].get("spec_verify_ct", 0),
+                              "accepted_drafts": o["meta_info"].get("spec_accepted_drafts", 0)} for o in outs],
+                            acc, tok.eos_token_id)
+
+
+def same_prompts_row(served: list[dict], acc: dict, eos: int | None) -> dict:
+    """The same-prompts figures from the server's rows (output_ids, verify_steps, accepted_drafts per prompt) and
+    the head's report (`acceptance` of training_report.json). The rows are kept, so the figure can be recounted
+    from the outputs (`sglang_ext.core.accounting.pair_with_reference` against the report's per_prompt)."""
+    steps = sum(r["verify_steps"] for r in served)
+    drafts = sum(r["accepted_drafts"] for r in served)
+    row = {"prompts": len(served), "server_accepted_drafts_per_step": drafts / steps if steps else 0.0,
            "server_verify_steps": steps, "reference_accepted_drafts_per_step": acc["trained"]["accepted_drafts_per_step"],
            "reference_chain_steps": acc["chain_steps"]}
     if acc["trained"].get("per_prompt"):  # reports from session 17 on
-        row.update(pair_with_reference([{"output_ids": o.get("output_ids") or [],
-                                         "verify_steps": m.get("spec_verify_ct", 0),
-                                         "accepted_drafts": m.get("spec_accepted_drafts", 0)}
-                                        for o, m in zip(outs, metas)],
-                                       acc["trained"]["per_prompt"], tok.eos_token_id))
+        row.update(pair_with_reference(served, acc["trained"]["per_prompt"], eos))
+    row["server_per_prompt"] = served
     return row
 
 
@@ -540,6 +546,8 @@ def main():
         results[name] = row
         json.dump(state, open(state_path, "w"))
         brief = {k: v for k, v in row.items() if k not in ("lines",)}
+        if row.get("same_prompts"):  # its per-prompt rows stay in serving.json, out of the log
+            brief["same_prompts"] = {k: v for k, v in row["same_prompts"].items() if k != "server_per_prompt"}
         print(json.dumps(brief, indent=1), flush=True)
     summary = {k: v for k, v in state.items() if k not in ("prompts", "reference", "reference-deterministic")}
     json.dump(summary, open(f"{OUT}/serving.json", "w"), indent=1)
