@@ -121,6 +121,7 @@ def test_served_acceptance_is_paired_with_the_reference_per_prompt():
                               "prompts": 4, **same})
     assert "within noise" in cell and "4/4 outputs identical" in cell
     assert same_prompts_cell(None) == "-"
+    assert same_prompts_cell({"prompts": 4, "error": "4 prompts ... not the report's"}).startswith("NOT PAIRED: 4")
     one = pair_with_reference(ref[:1], ref[:1], eos)  # one prompt: no spread, so no verdict (and no NaN in JSON)
     assert one["paired_se"] is None and one["within_noise"] is None
     cell = same_prompts_cell({"server_accepted_drafts_per_step": 1.0, "reference_accepted_drafts_per_step": 1.0,

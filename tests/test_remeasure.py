@@ -9,7 +9,7 @@ from sglang_ext.core import tiny
 from sglang_ext.core.heads import Eagle3Head
 from sglang_ext.core.targets import load_target, load_tokenizer
 from training.remeasure import main
-from training.train_draft import acceptance_estimate, gsm8k_prompts
+from training.train_draft import acceptance_estimate, gsm8k_prompts, prompt_digest
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +90,28 @@ def test_bad_input_is_named_with_its_fix(exported, tmp_path, capsys):
         (tmp_path / name).write_bytes((root / "head" / name).read_bytes())
     assert main(["--draft", str(tmp_path), "--target", str(root / "target"), "--eval-data", str(short)]) == 2
     assert "not the report's source" in capsys.readouterr().err
+
+
+def test_other_prompts_of_the_same_count_are_refused_not_paired(exported, tmp_path, capsys):
+    """Another GSM8K file (or template, or tokenizer) with as many prompts as the report: the per-prompt digests
+    tell it apart before anything is paired; a report from before the digests is still re-measured."""
+    root, report = exported
+    tok = load_tokenizer(str(root / "target"))
+    per_prompt = report["acceptance"]["trained"]["per_prompt"]
+    assert [r["prompt_sha256"] for r in per_prompt] == [
+        prompt_digest(p) for p in gsm8k_prompts(tok, report["acceptance"]["eval_data"], 5)]
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"question": f"what is {i} plus {i}?" if i != 3 else "what is 3 times 3?",
+                                         "answer": "#### 0"}) + "\n" for i in range(5)))
+    assert run(root, "--eval-data", str(other)) == 2
+    err = capsys.readouterr().err
+    assert "prompt 3 (1 of 5 in all)" in err and "is not the report's" in err and "--eval-data" in err
+    head = tmp_path / "head"
+    head.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (head / name).write_bytes((root / "head" / name).read_bytes())
+    old = json.loads(json.dumps(report))
+    for r in old["acceptance"]["trained"]["per_prompt"]:
+        del r["prompt_sha256"]
+    (head / "training_report.json").write_text(json.dumps(old))
+    assert main(["--draft", str(head), "--target", str(root / "target"), "--prompts", "2"]) == 0

@@ -6,7 +6,8 @@ pair the two per prompt.
 
 The report's figure is one measurement (another precision, device or batch parts greedy outputs, and a parted prompt
 accepts differently from there on), so "the same" means within the paired noise: |difference| <= 2 paired standard
-errors (docs/metrics.md). Exit status 0 when within it, 1 when not, 2 on bad input.
+errors (docs/metrics.md). Exit status 0 when within it, 1 when not, 2 on bad input -- including prompts that are not
+the report's (each reported prompt keeps a digest of its token ids; reports before session 20 have none).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from sglang_ext.core.heads import Eagle3Head
     from sglang_ext.core.targets import load_target, load_tokenizer
-    from training.train_draft import acceptance_estimate, gsm8k_prompts
+    from training.train_draft import acceptance_estimate, gsm8k_prompts, prompts_unlike_report
 
     dtype = getattr(torch, DTYPES[args.dtype])
     tok = load_tokenizer(args.target)
@@ -105,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(prompts) != len(ref):
         print(f"python -m training.remeasure: error: {src} gives {len(prompts)} prompts, the report has {len(ref)}: "
               "not the report's source; pass it with --eval-data", file=sys.stderr)
+        return 2
+    unlike = prompts_unlike_report(prompts, ref)
+    if unlike:  # same count, other prompts (another file, template or tokenizer): a pairing would mean nothing
+        print(f"python -m training.remeasure: error: prompt {unlike[0]} ({len(unlike)} of {n} in all) from {src} with "
+              f"{args.target}'s tokenizer and chat template is not the report's (acceptance.trained.per_prompt"
+              f"[{unlike[0]}].prompt_sha256); pass the report's GSM8K file with --eval-data and the target the head "
+              "was trained on with --target", file=sys.stderr)
         return 2
     t = time.time()
     est = acceptance_estimate(target, head, prompts, acc["chain_steps"], acc["max_new_tokens"], [tok.eos_token_id])

@@ -250,6 +250,21 @@ def gsm8k_prompts(tok, path: str, n: int) -> list[list[int]]:
     return [prompt_ids(tok, c.messages[:1]) for c in convs]
 
 
+def prompt_digest(ids: list[int]) -> str:
+    """A prompt's identity as token ids (question, chat template and tokenizer together), kept per prompt in the
+    acceptance estimate so a re-measurement can tell the report's prompts from others before pairing with them."""
+    import hashlib
+
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def prompts_unlike_report(prompts: list[list[int]], per_prompt: list[dict]) -> list[int]:
+    """Indices where `prompts` are not the report's (by digest; reports before session 20 kept none: nothing to
+    compare, so nothing is flagged)."""
+    return [i for i, (p, r) in enumerate(zip(prompts, per_prompt))
+            if "prompt_sha256" in r and r["prompt_sha256"] != prompt_digest(p)]
+
+
 def aux_layer_ids(args, n_layers: int) -> list[int]:
     """--aux-layers, else the convention's default for the target's depth."""
     return [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else default_output_ids(n_layers)
@@ -287,7 +302,7 @@ def acceptance_estimate(target, head, prompts, steps, max_new_tokens, eos) -> di
         g = dec.generate(p, max_new_tokens, eos_token_ids=eos)
         stats = g.stats if stats is None else stats.merge(g.stats)
         per_prompt.append({"verify_steps": g.stats.verify_steps, "accepted_drafts": g.stats.accepted_drafts,
-                           "finish_reason": g.finish_reason, "output_ids": g.tokens})
+                           "finish_reason": g.finish_reason, "output_ids": g.tokens, "prompt_sha256": prompt_digest(p)})
     dec.close()
     if stats is None or stats.verify_steps == 0:  # no prompt, or every one ended at its first token
         return {"accepted_drafts_per_step": None, "verify_steps": 0, "standard_error": None,

@@ -194,11 +194,15 @@ def same_prompts_acceptance(srv: Server, head: str) -> dict | None:
         return None
     from transformers import AutoTokenizer
 
-    from training.train_draft import gsm8k_prompts
+    from training.train_draft import gsm8k_prompts, prompts_unlike_report
 
     acc = json.load(open(path))["acceptance"]
     tok = AutoTokenizer.from_pretrained(f"{WORK}/target")
     ps = gsm8k_prompts(tok, acc["eval_data"], acc["prompts"])
+    unlike = prompts_unlike_report(ps, acc["trained"].get("per_prompt") or [])
+    if unlike or len(ps) != acc["prompts"]:  # a pairing with other prompts would mean nothing
+        return {"prompts": len(ps), "error": f"{len(unlike)} prompts of {acc['eval_data']} are not the report's "
+                                             f"(first: {unlike[:1]}), or fewer than its {acc['prompts']}"}
     sp = {"temperature": 0, "max_new_tokens": acc.get("max_new_tokens", 128)}
     with cf.ThreadPoolExecutor(16) as pool:
         outs = list(pool.map(lambda p: srv.post("/generate", {"input_ids": p, "sampling_params": sp}), ps))
@@ -572,6 +576,8 @@ def main():
 def same_prompts_cell(same: dict | None) -> str:
     if not same:
         return "-"
+    if "error" in same:
+        return f"NOT PAIRED: {same['error']}"
     cell = f"{same['server_accepted_drafts_per_step']:.3f}/{same['reference_accepted_drafts_per_step']:.3f}"
     if same.get("paired_se") is not None:
         cell += f" ({2 * same['paired_se']:.3f}) {'within noise' if same['within_noise'] else 'OUTSIDE noise'}"
