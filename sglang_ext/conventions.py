@@ -341,6 +341,13 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def positive_number(value: Any) -> bool:
+    """A JSON number > 0 and finite (not a bool, not a string)."""
+    import math
+
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def _require(cfg: Mapping, key: str, prefix: str, minimum: int = 1) -> int:
     """A required integer field, at least `minimum`."""
     if key not in cfg or cfg[key] is None:

@@ -19,7 +19,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from sglang_ext.conventions import MLA_FIELDS, ConfigError, DraftSpec, TargetSpec, is_int
+from sglang_ext.conventions import MLA_FIELDS, ConfigError, DraftSpec, TargetSpec, is_int, positive_number
 
 DRAFT_KV_DTYPE_ENV = "SGLANG_EXT_DRAFT_KV_CACHE_DTYPE"
 
@@ -177,6 +177,8 @@ def expected_weights(cfg: Mapping[str, Any], head_format: str) -> tuple[dict[str
                     f"{p}self_attn.o_proj.weight": [h, heads * hd]})
         if eagle.get("norm_before_fc", cfg.get("norm_before_fc", False)):
             req["input_norm.weight"] = [th * n_aux]
+        if attention_bias(cfg):  # llama_eagle3.py keeps o_proj's bias (its qkv_proj is rebuilt without one)
+            req[f"{p}self_attn.o_proj.bias"] = [h]
     else:
         nope, rope, vd = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"]), int(cfg["v_head_dim"])
         kvr = int(cfg["kv_lora_rank"])
@@ -200,7 +202,22 @@ def expected_weights(cfg: Mapping[str, Any], head_format: str) -> tuple[dict[str
     if dv < vocab:
         req["d2t"] = mapping.pop("d2t")
     opt.update(mapping)
+    if not uses_aux_states(cfg):  # a head of the last hidden state alone has no fc (weight_errors refuses one)
+        opt["fc.weight"] = req.pop("fc.weight")
     return req, opt
+
+
+def uses_aux_states(cfg: Mapping[str, Any]) -> bool:
+    """SGLang 0.5.17 (spec_aux_hidden_state.py) captures the target's aux states unless the draft's
+    eagle_config.use_aux_hidden_state is false; without them the head is fed the last hidden state and its fc is
+    skipped (llama_eagle3.py applies fc only when the widths differ)."""
+    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), Mapping) else {}
+    return bool(eagle.get("use_aux_hidden_state", True))
+
+
+def attention_bias(cfg: Mapping[str, Any]) -> bool:
+    """SGLang 0.5.17's LlamaDecoderLayer: `attention_bias` or `bias` gives the layer's o_proj a bias."""
+    return bool(cfg.get("attention_bias") or cfg.get("bias"))
 
 
 def weight_errors(draft: DraftSpec, shapes: Mapping[str, Mapping[str, Any]]) -> list[ConfigError]:
@@ -226,6 +243,14 @@ def weight_errors(draft: DraftSpec, shapes: Mapping[str, Mapping[str, Any]]) -> 
                                   f"the head's hidden size {draft.hidden_size} differs from the target's, so SGLang "
                                   "cannot share the target's embedding and would run with an uninitialised one",
                                   "ship embed_tokens.weight in the checkpoint"))
+    if "fc.weight" in got and not uses_aux_states(draft.config):
+        errors.append(ConfigError("draft.eagle_config.use_aux_hidden_state", False,
+                                  f"false, but the checkpoint has fc.weight (in_features {got['fc.weight'][-1]}): "
+                                  "the head was trained on the target's aux states, and SGLang would capture none "
+                                  "and feed it the last hidden state instead (fc skipped, or a shape error)",
+                                  "set eagle_config.use_aux_hidden_state to true (the default), or remove fc.weight "
+                                  "for a head trained on the last hidden state alone"))
+        return errors
     for name, shape in sorted(got.items()):
         want = req.get(name, opt.get(name))
         if want is not None and shape != want:
@@ -271,7 +296,8 @@ def field_errors(draft: DraftSpec) -> list[ConfigError]:
     integer("head_dim", False, allow_null=True)
     integer("draft_vocab_size", False, allow_null=True)
     integer("target_hidden_size", False)  # llama_eagle3.py: hasattr -> null would be None * num_aux
-    integer("max_position_embeddings", False, allow_null=True)
+    integer("max_position_embeddings", False)  # null: transformers refuses it; a RoPE cache needs a length
+    integer("num_nextn_predict_layers", False, minimum=0, allow_null=True)  # SGLang int()s it for the pool budget
     if draft.head_format == "mla":
         for key in MLA_FIELDS:
             integer(key, False, allow_null=True)
@@ -285,10 +311,27 @@ def field_errors(draft: DraftSpec) -> list[ConfigError]:
         if v is not None and (not isinstance(v, str) or v.replace("torch.", "") not in CONFIG_DTYPES):
             errors.append(ConfigError(f"draft.{key}", v, "not a dtype transformers and SGLang load",
                                       "use bfloat16 (the exported heads' dtype), float16 or float32"))
-    act = cfg.get("hidden_act")
-    if act is not None and act != "silu":
-        errors.append(ConfigError("draft.hidden_act", act, "SGLang 0.5.17's Eagle3 MLP supports only silu",
+    if "hidden_act" in cfg and cfg["hidden_act"] != "silu":  # null too: transformers refuses it at config load
+        errors.append(ConfigError("draft.hidden_act", cfg["hidden_act"], "SGLang 0.5.17's Eagle3 MLP supports only silu",
                                   'set hidden_act to "silu" (and train the head with it)'))
+    rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), Mapping) else {}
+    for key, where in (("rms_norm_eps", cfg), ("rope_theta", cfg), ("rope_theta", rope_params)):
+        if key in where and not positive_number(where[key]):  # a NaN eps or a negative RoPE base loads, then computes NaN
+            field = f"draft.{key}" if where is cfg else f"draft.rope_parameters.{key}"
+            errors.append(ConfigError(field, where[key], "not a positive finite number",
+                                      f"set {key} to the value the head was trained with (e.g. "
+                                      f"{'1e-05' if key == 'rms_norm_eps' else '10000.0'})"))
+    for key in ("attention_bias", "bias", "tie_word_embeddings"):
+        if key in cfg and not isinstance(cfg[key], bool):
+            errors.append(ConfigError(f"draft.{key}", cfg[key], "not a boolean", f"write {key} as true or false"))
+    if "model_type" in cfg and not (isinstance(cfg["model_type"], str) and cfg["model_type"]):
+        errors.append(ConfigError("draft.model_type", cfg["model_type"], "not a model type name",
+                                  'write it as a string, e.g. "llama" (MHA head) or "deepseek_v3" (MLA head)'))
+    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), Mapping) else {}
+    if not isinstance(eagle.get("use_aux_hidden_state", True), bool):
+        errors.append(ConfigError("draft.eagle_config.use_aux_hidden_state", eagle["use_aux_hidden_state"],
+                                  "not a boolean", "write it as true (a head that reads the target's aux states, "
+                                  "the default) or false"))
     rope = cfg.get("rope_scaling")
     if rope is not None:
         kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
@@ -305,9 +348,33 @@ def field_errors(draft: DraftSpec) -> list[ConfigError]:
     return errors
 
 
+# the target's (text) config fields this tool computes with -- head counts for TP splits, the MLA latent for the KV
+# pools -- when present; null means "not set" for the nullable ones (no kv_lora_rank: not an MLA target)
+TARGET_INT_FIELDS = {"num_attention_heads": False, "num_key_value_heads": True, "head_dim": True,
+                     "kv_lora_rank": True, "q_lora_rank": True, "qk_rope_head_dim": False, "qk_nope_head_dim": False,
+                     "v_head_dim": False}
+
+
+def target_field_errors(target: TargetSpec) -> list[ConfigError]:
+    """Typed fields of the target's config: a float or string there would size the KV pools wrongly (int(1.5) is 1)
+    or fail in a layer's constructor after the weights have loaded."""
+    prefix = "target.text_config." if target.nested_text_config else "target."
+    errors = []
+    for key, nullable in TARGET_INT_FIELDS.items():
+        if key not in target.text_config:
+            continue
+        v = target.text_config[key]
+        if v is None and nullable:
+            continue
+        if not is_int(v) or v < 1:
+            errors.append(ConfigError(f"{prefix}{key}", v, "not an integer >= 1" + (" (or null)" if nullable else ""),
+                                      f"fix {key} in the target's config.json (the model card's value)"))
+    return errors
+
+
 def config_errors(target: TargetSpec, draft: DraftSpec) -> list[ConfigError]:
     cfg = draft.config
-    errors = field_errors(draft)
+    errors = target_field_errors(target) + field_errors(draft)
     if errors:  # the checks below compute with these fields
         return errors
     mla_fields = [f for f in ("q_lora_rank",) + MLA_FIELDS if cfg.get(f) is not None]

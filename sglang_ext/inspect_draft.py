@@ -68,7 +68,7 @@ def inspect(draft_path: str, target_path: str, override: str | None = None, pool
     pickled = checkpoint.pickle_weight_files(draft_dir)
     if shapes:
         report["weights_checked"] = True
-        if fc_in is None:
+        if fc_in is None and draft_schema.uses_aux_states(draft.config):
             fail(ConfigError("fc.weight", None, "missing from the checkpoint",
                              "an Eagle3 head needs fc.weight (aux states -> hidden)"))
     elif pickled:
@@ -82,6 +82,9 @@ def inspect(draft_path: str, target_path: str, override: str | None = None, pool
                             "aux_ids_source": draft.aux_ids_source,
                             "vllm_layer_ids": list(draft.vllm_layer_ids) if draft.vllm_layer_ids else None,
                             "declared_convention": draft.aux_layer_convention, "fc_in_features": fc_in}
+    if not draft_schema.uses_aux_states(draft.config):
+        report["notes"].append("eagle_config.use_aux_hidden_state is false: SGLang captures no aux states and feeds "
+                               "the head the target's last hidden state; the aux layers below are not captured")
     family = target.family
     if family == "unsupported":
         fail(ConfigError("target.architectures", target.architecture,

@@ -79,6 +79,20 @@ BAD_FIELDS = [  # config change -> the field named in the error
      "not a list of integers"),
     ({"eagle_aux_hidden_state_layer_ids": [1.0, 29, 57]}, "draft.eagle_aux_hidden_state_layer_ids",
      "not a list of integers"),
+    # loaded without complaint by transformers 5, then NaN in every RMSNorm / RoPE table of the head
+    ({"rms_norm_eps": float("nan")}, "draft.rms_norm_eps", "not a positive finite number"),
+    ({"rms_norm_eps": "1e-5"}, "draft.rms_norm_eps", "not a positive finite number"),
+    ({"rope_theta": -1}, "draft.rope_theta", "not a positive finite number"),
+    ({"rope_theta": 0}, "draft.rope_theta", "not a positive finite number"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": None}}, "draft.rope_parameters.rope_theta",
+     "not a positive finite number"),
+    ({"eagle_config": {"use_aux_hidden_state": "yes"}}, "draft.eagle_config.use_aux_hidden_state", "not a boolean"),
+    ({"attention_bias": "yes"}, "draft.attention_bias", "not a boolean"),
+    ({"tie_word_embeddings": "false"}, "draft.tie_word_embeddings", "not a boolean"),
+    ({"hidden_act": None}, "draft.hidden_act", "only silu"),  # transformers 5 refuses a null activation
+    ({"max_position_embeddings": None}, "draft.max_position_embeddings", "null"),
+    ({"num_nextn_predict_layers": "1"}, "draft.num_nextn_predict_layers", "not an integer"),
+    ({"model_type": 3}, "draft.model_type", "not a model type name"),
 ]
 
 
@@ -86,6 +100,59 @@ BAD_FIELDS = [  # config change -> the field named in the error
 def test_bad_draft_fields_are_named(dsv3, head, changes, field, text):
     report = inspect(edit_config(head, **changes), dsv3)
     assert any(field in e["field"] and text in e["message"] and e["fix"] for e in report["errors"]), report["errors"]
+
+
+def test_an_attention_bias_needs_its_weights(dsv3, head):
+    """`attention_bias: true` gives SGLang's Eagle3 layer an o_proj bias; a checkpoint without one would leave it
+    uninitialised (nothing checks that a parameter was loaded), so the pair is refused naming the tensor."""
+    report = inspect(edit_config(head, attention_bias=True), dsv3)
+    (e,) = report["errors"]
+    assert e["field"] == "draft.weights" and e["value"] == ["layers.0.self_attn.o_proj.bias"]
+    assert not inspect(edit_config(head, attention_bias=False), dsv3)["errors"]
+
+
+def test_a_head_trained_on_aux_states_is_refused_with_aux_capture_off(tmp_path, dsv3, head):
+    """use_aux_hidden_state false: SGLang captures nothing and feeds the head the last hidden state (fc skipped when
+    the widths match) -- wrong for a head whose fc reads three aux states; right for a head without an fc."""
+    off = {"use_aux_hidden_state": False, "eagle_aux_hidden_state_layer_ids": [1, 29, 57],
+           "aux_layer_convention": "output"}
+    report = inspect(edit_config(head, eagle_config=off), dsv3)
+    (e,) = report["errors"]
+    assert e["field"] == "draft.eagle_config.use_aux_hidden_state" and "fc.weight (in_features 21504)" in e["message"]
+    assert "remove fc.weight" in e["fix"]
+    from safetensors.torch import load_file, save_file
+
+    no_fc = tmp_path / "no-fc"
+    no_fc.mkdir()
+    weights = load_file(os.path.join(head, "model.safetensors"))
+    del weights["fc.weight"]
+    save_file(weights, str(no_fc / "model.safetensors"))
+    (no_fc / "config.json").write_text(open(os.path.join(head, "config.json")).read())
+    report = inspect(str(no_fc), dsv3)
+    assert not report["errors"] and any("use_aux_hidden_state is false" in n for n in report["notes"])
+    edit_config(str(no_fc), eagle_config={"use_aux_hidden_state": True})  # and with capture on, fc is required
+    assert any(e["field"] == "fc.weight" for e in inspect(str(no_fc), dsv3)["errors"])
+
+
+TARGET_FIELDS = [  # target (text) config changes -> the field named
+    ({"kv_lora_rank": 512.5}, "target.kv_lora_rank"),  # the KV pool arithmetic would int() it to 512
+    ({"qk_rope_head_dim": "64"}, "target.qk_rope_head_dim"),
+    ({"num_attention_heads": 0}, "target.num_attention_heads"),
+    ({"q_lora_rank": -1}, "target.q_lora_rank"),
+    ({"num_key_value_heads": 1.0}, "target.num_key_value_heads"),
+]
+
+
+@pytest.mark.parametrize("changes,field", TARGET_FIELDS)
+def test_bad_target_fields_are_named(tmp_path, head, changes, field):
+    target = write_model_dir(tmp_path / "t", {**DSV3, **changes})
+    report = inspect(head, target, pools={"tp_size": 8})
+    assert any(e["field"] == field and "not an integer >= 1" in e["message"] and e["fix"] for e in report["errors"])
+    assert "kv_pools" not in report
+    nested = write_model_dir(tmp_path / "k", {**KIMI, "text_config": {**KIMI_TEXT, **changes}})
+    assert any(e["field"] == field.replace("target.", "target.text_config.")
+               for e in inspect(head, nested)["errors"])
+    assert not inspect(head, write_model_dir(tmp_path / "ok", {**DSV3, "q_lora_rank": None}))["errors"]
 
 
 ARCH_FIXES = [
