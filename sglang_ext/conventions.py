@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Mapping, Sequence
 
@@ -343,8 +344,6 @@ def is_int(value: Any) -> bool:
 
 def positive_number(value: Any) -> bool:
     """A JSON number > 0 and finite (not a bool, not a string)."""
-    import math
-
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 

@@ -312,11 +312,12 @@ def field_errors(draft: DraftSpec) -> list[ConfigError]:
             errors.append(ConfigError(f"draft.{key}", v, "not a dtype transformers and SGLang load",
                                       "use bfloat16 (the exported heads' dtype), float16 or float32"))
     if "hidden_act" in cfg and cfg["hidden_act"] != "silu":  # null too: transformers refuses it at config load
-        errors.append(ConfigError("draft.hidden_act", cfg["hidden_act"], "SGLang 0.5.17's Eagle3 MLP supports only silu",
+        errors.append(ConfigError("draft.hidden_act", cfg["hidden_act"],
+                                  "SGLang 0.5.17's Eagle3 MLP supports only silu",
                                   'set hidden_act to "silu" (and train the head with it)'))
     rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), Mapping) else {}
     for key, where in (("rms_norm_eps", cfg), ("rope_theta", cfg), ("rope_theta", rope_params)):
-        if key in where and not positive_number(where[key]):  # a NaN eps or a negative RoPE base loads, then computes NaN
+        if key in where and not positive_number(where[key]):  # a NaN eps or a negative RoPE base loads, then NaNs
             field = f"draft.{key}" if where is cfg else f"draft.rope_parameters.{key}"
             errors.append(ConfigError(field, where[key], "not a positive finite number",
                                       f"set {key} to the value the head was trained with (e.g. "
@@ -545,9 +546,11 @@ def quantized_bytes_per_weight(config: Mapping[str, Any]) -> tuple[float | None,
     if method == "fp8" or "fp8" in str(q.get("fmt", "")).lower():
         return 1.0, False
     bits, group = q.get("bits") or q.get("num_bits") or q.get("w_bit"), q.get("group_size") or q.get("q_group_size")
-    for g in (q.get("config_groups") or {}).values():  # compressed-tensors
-        w = (g or {}).get("weights") or {}
-        bits, group = w.get("num_bits", bits), w.get("group_size", group)
+    groups = q.get("config_groups")
+    for g in (groups.values() if isinstance(groups, Mapping) else ()):  # compressed-tensors
+        w = g.get("weights") if isinstance(g, Mapping) else None
+        if isinstance(w, Mapping):  # anything else is not a scheme this estimate reads: unquantized bytes
+            bits, group = w.get("num_bits", bits), w.get("group_size", group)
     if is_int(bits) and 0 < bits < 16:
         scale = 2.0 / group if is_int(group) and group > 0 else 0.0  # one bf16 scale per group
         return bits / 8 + scale, method == "compressed-tensors"

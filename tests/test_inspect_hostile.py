@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from conftest import write_head, write_model_dir
-from sglang_ext.inspect_draft import inspect
+from sglang_ext.inspect_draft import inspect, render
 
 YARN = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
         "original_max_position_embeddings": 4096}
@@ -132,6 +132,46 @@ def test_a_head_trained_on_aux_states_is_refused_with_aux_capture_off(tmp_path, 
     assert not report["errors"] and any("use_aux_hidden_state is false" in n for n in report["notes"])
     edit_config(str(no_fc), eagle_config={"use_aux_hidden_state": True})  # and with capture on, fc is required
     assert any(e["field"] == "fc.weight" for e in inspect(str(no_fc), dsv3)["errors"])
+
+
+ODD_VALUES = [None, "abc", -1, 0, 1.5, [], {}, True, float("nan")]
+
+
+@pytest.mark.parametrize("fmt", ["mha", "mla"])
+@pytest.mark.parametrize("which", ["kimi-k2.5", "deepseek-v3"])
+def test_no_config_value_gives_a_traceback(tmp_path, fmt, which):
+    """Every field of a real target's config (Kimi-K2.5: nested text config, INT4 compressed-tensors; DeepSeek-V3:
+    block fp8) and of our exported head's, set in turn to each odd JSON value, the KV pools sized at TP 8:
+    inspect-draft answers with errors or notes, never an exception."""
+    target_cfg = json.loads(json.dumps({**KIMI, "text_config": KIMI_TEXT} if which == "kimi-k2.5" else DSV3))
+    target = write_model_dir(tmp_path / "t", target_cfg)
+    vocab = (target_cfg.get("text_config") or target_cfg)["vocab_size"]
+    head = write_head(tmp_path / "h", fmt, target_hidden=7168, vocab=vocab, ids=[1, 29, 57], convention="output",
+                      heads=16)
+    head_cfg = json.load(open(os.path.join(head, "config.json")))
+
+    def paths(cfg, prefix=()):
+        for k, v in cfg.items():
+            yield prefix + (k,)
+            if isinstance(v, dict):
+                yield from paths(v, prefix + (k,))
+
+    for where, cfg in ((target, target_cfg), (head, head_cfg)):
+        for path in list(paths(cfg)):
+            for value in ODD_VALUES:
+                edited = json.loads(json.dumps(cfg))
+                node = edited
+                for k in path[:-1]:
+                    node = node[k]
+                node[path[-1]] = value
+                with open(os.path.join(where, "config.json"), "w") as f:
+                    json.dump(edited, f)
+                try:
+                    render(inspect(head, target, pools={"tp_size": 8}))
+                except Exception as e:  # noqa: BLE001 -- the point: nothing may escape
+                    pytest.fail(f"{'.'.join(map(str, path))} = {value!r}: {type(e).__name__}: {e}")
+        with open(os.path.join(where, "config.json"), "w") as f:
+            json.dump(cfg, f)
 
 
 TARGET_FIELDS = [  # target (text) config changes -> the field named

@@ -302,7 +302,8 @@ def acceptance_estimate(target, head, prompts, steps, max_new_tokens, eos) -> di
         g = dec.generate(p, max_new_tokens, eos_token_ids=eos)
         stats = g.stats if stats is None else stats.merge(g.stats)
         per_prompt.append({"verify_steps": g.stats.verify_steps, "accepted_drafts": g.stats.accepted_drafts,
-                           "finish_reason": g.finish_reason, "output_ids": g.tokens, "prompt_sha256": prompt_digest(p)})
+                           "finish_reason": g.finish_reason, "output_ids": g.tokens,
+                           "prompt_sha256": prompt_digest(p)})
     dec.close()
     if stats is None or stats.verify_steps == 0:  # no prompt, or every one ended at its first token
         return {"accepted_drafts_per_step": None, "verify_steps": 0, "standard_error": None,
