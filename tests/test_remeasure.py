@@ -33,6 +33,15 @@ def exported(tmp_path_factory):
     return root, report
 
 
+def head_with_report(root, dest, report) -> str:
+    """The exported head's files in `dest` beside another training_report.json (the head unchanged)."""
+    dest.mkdir(exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        (dest / name).write_bytes((root / "head" / name).read_bytes())
+    (dest / "training_report.json").write_text(json.dumps(report))
+    return str(dest)
+
+
 def run(root, *extra):
     return main(["--draft", str(root / "head"), "--target", str(root / "target"), *extra])
 
@@ -51,15 +60,11 @@ def test_a_faithful_report_is_reproduced_prompt_for_prompt(exported, capsys, tmp
 def test_an_inflated_report_is_caught(exported, tmp_path, capsys):
     """A report claiming every draft accepted, on the same outputs' step counts: outside the noise, exit 1."""
     root, report = exported
-    fake = tmp_path / "fake"
-    fake.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        (fake / name).write_bytes((root / "head" / name).read_bytes())
     inflated = json.loads(json.dumps(report))
     for r in inflated["acceptance"]["trained"]["per_prompt"]:
         r["accepted_drafts"] = 3 * r["verify_steps"]
-    (fake / "training_report.json").write_text(json.dumps(inflated))
-    assert main(["--draft", str(fake), "--target", str(root / "target")]) == 1
+    fake = head_with_report(root, tmp_path / "fake", inflated)
+    assert main(["--draft", fake, "--target", str(root / "target")]) == 1
     assert "OUTSIDE the noise" in capsys.readouterr().out
 
 
@@ -82,13 +87,11 @@ def test_bad_input_is_named_with_its_fix(exported, tmp_path, capsys):
     (tmp_path / "training_report.json").write_text("[1, 2]")
     assert main(["--draft", str(tmp_path), "--target", str(root / "target")]) == 2
     assert "not a training report" in capsys.readouterr().err
-    (tmp_path / "training_report.json").write_text(json.dumps(moved))
     # the override finds it; other data than the report's (fewer prompts) is refused, not paired
     short = tmp_path / "short.jsonl"
     short.write_text(json.dumps({"question": "one?", "answer": "#### 1"}) + "\n")
-    for name in ("config.json", "model.safetensors"):
-        (tmp_path / name).write_bytes((root / "head" / name).read_bytes())
-    assert main(["--draft", str(tmp_path), "--target", str(root / "target"), "--eval-data", str(short)]) == 2
+    moved_head = head_with_report(root, tmp_path / "moved", moved)
+    assert main(["--draft", moved_head, "--target", str(root / "target"), "--eval-data", str(short)]) == 2
     assert "not the report's source" in capsys.readouterr().err
 
 
@@ -106,12 +109,8 @@ def test_other_prompts_of_the_same_count_are_refused_not_paired(exported, tmp_pa
     assert run(root, "--eval-data", str(other)) == 2
     err = capsys.readouterr().err
     assert "prompt 3 (1 of 5 in all)" in err and "is not the report's" in err and "--eval-data" in err
-    head = tmp_path / "head"
-    head.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        (head / name).write_bytes((root / "head" / name).read_bytes())
     old = json.loads(json.dumps(report))
     for r in old["acceptance"]["trained"]["per_prompt"]:
         del r["prompt_sha256"]
-    (head / "training_report.json").write_text(json.dumps(old))
-    assert main(["--draft", str(head), "--target", str(root / "target"), "--prompts", "2"]) == 0
+    head = head_with_report(root, tmp_path / "head", old)
+    assert main(["--draft", head, "--target", str(root / "target"), "--prompts", "2"]) == 0
