@@ -270,6 +270,13 @@ CONFIG_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "deepseek_yarn", "llama3", "longrope", "proportional")
 
 
+# fields with a default that transformers 5.12's strict config classes refuse as null (LlamaConfig for an MHA head,
+# DeepseekV3Config for an MLA head); exporters that fill a template from the model's attributes write such nulls
+NULL_REFUSED = {"mha": ("initializer_range", "use_cache", "mlp_bias"),
+                "mla": ("initializer_range", "use_cache", "moe_intermediate_size", "n_shared_experts",
+                        "n_routed_experts", "routed_scaling_factor")}
+
+
 def field_errors(draft: DraftSpec) -> list[ConfigError]:
     """Fields SGLang's loaders read, checked for type and range before anything computes with them: a
     string, float, null or zero there is a crash (or a mis-sized layer) after the target has loaded."""
@@ -322,7 +329,13 @@ def field_errors(draft: DraftSpec) -> list[ConfigError]:
             errors.append(ConfigError(field, where[key], "not a positive finite number",
                                       f"set {key} to the value the head was trained with (e.g. "
                                       f"{'1e-05' if key == 'rms_norm_eps' else '10000.0'})"))
-    for key in ("attention_bias", "bias", "tie_word_embeddings"):
+    for key in NULL_REFUSED[draft.head_format]:
+        if key in cfg and cfg[key] is None:
+            errors.append(ConfigError(f"draft.{key}", None, "null: transformers 5 refuses it when SGLang loads the "
+                                      "config (the server fails after the target has loaded)",
+                                      f"remove {key} (its default applies) or give it a value"))
+    bools = ("attention_bias", "bias", "tie_word_embeddings") + (("mlp_bias",) if draft.head_format == "mha" else ())
+    for key in bools:
         if key in cfg and not isinstance(cfg[key], bool):
             errors.append(ConfigError(f"draft.{key}", cfg[key], "not a boolean", f"write {key} as true or false"))
     if "model_type" in cfg and not (isinstance(cfg["model_type"], str) and cfg["model_type"]):

@@ -93,6 +93,10 @@ BAD_FIELDS = [  # config change -> the field named in the error
     ({"max_position_embeddings": None}, "draft.max_position_embeddings", "null"),
     ({"num_nextn_predict_layers": "1"}, "draft.num_nextn_predict_layers", "not an integer"),
     ({"model_type": 3}, "draft.model_type", "not a model type name"),
+    # a template filled from a model's attributes (ModelOpt's export) writes null where the attribute is absent
+    ({"use_cache": None}, "draft.use_cache", "transformers 5 refuses it"),
+    ({"mlp_bias": None}, "draft.mlp_bias", "transformers 5 refuses it"),
+    ({"mlp_bias": "no"}, "draft.mlp_bias", "not a boolean"),
 ]
 
 
@@ -100,6 +104,17 @@ BAD_FIELDS = [  # config change -> the field named in the error
 def test_bad_draft_fields_are_named(dsv3, head, changes, field, text):
     report = inspect(edit_config(head, **changes), dsv3)
     assert any(field in e["field"] and text in e["message"] and e["fix"] for e in report["errors"]), report["errors"]
+
+
+def test_nulls_the_mla_config_class_refuses_are_named(tmp_path, dsv3):
+    head = write_head(tmp_path / "mla", "mla", target_hidden=7168, vocab=129280, ids=[1, 29, 57], convention="output")
+    assert not inspect(head, dsv3)["errors"]
+    for key in ("n_routed_experts", "routed_scaling_factor", "moe_intermediate_size"):
+        report = inspect(edit_config(head, **{key: None}), dsv3)
+        assert [e["field"] for e in report["errors"]] == [f"draft.{key}"] and "remove" in report["errors"][0]["fix"]
+        edit_config(head, **{key: DROP})
+    assert not inspect(head, dsv3)["errors"]  # absent: the class default applies
+    assert not inspect(edit_config(head, mlp_bias=None), dsv3)["errors"]  # DeepseekV3Config takes any mlp_bias
 
 
 def test_an_attention_bias_needs_its_weights(dsv3, head):
