@@ -135,7 +135,7 @@ def triton_pair_errors(target: TargetSpec, draft: DraftSpec, target_triton: bool
 def _num_aux(cfg: Mapping[str, Any]) -> int:
     if cfg.get("num_aux_hidden_states"):
         return int(cfg["num_aux_hidden_states"])
-    eagle = cfg.get("eagle_config") or {}
+    eagle = eagle_config_of(cfg)
     ids = eagle.get("eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids"))
     return len(ids) if ids else 3
 
@@ -161,7 +161,7 @@ def expected_weights(cfg: Mapping[str, Any], head_format: str) -> tuple[dict[str
     inter = int(cfg["intermediate_size"])
     heads = int(cfg["num_attention_heads"])
     n_aux = _num_aux(cfg)
-    eagle = cfg.get("eagle_config") or {}
+    eagle = eagle_config_of(cfg)
     p = "layers.0."
     req: dict[str, list[int]] = {"fc.weight": [h, th * n_aux], "norm.weight": [h]}
     for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
@@ -207,12 +207,17 @@ def expected_weights(cfg: Mapping[str, Any], head_format: str) -> tuple[dict[str
     return req, opt
 
 
+def eagle_config_of(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The draft's eagle_config, {} when absent or not an object (parse_draft refuses the latter)."""
+    eagle = cfg.get("eagle_config")
+    return eagle if isinstance(eagle, Mapping) else {}
+
+
 def uses_aux_states(cfg: Mapping[str, Any]) -> bool:
     """SGLang 0.5.17 (spec_aux_hidden_state.py) captures the target's aux states unless the draft's
     eagle_config.use_aux_hidden_state is false; without them the head is fed the last hidden state and its fc is
     skipped (llama_eagle3.py applies fc only when the widths differ)."""
-    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), Mapping) else {}
-    return bool(eagle.get("use_aux_hidden_state", True))
+    return bool(eagle_config_of(cfg).get("use_aux_hidden_state", True))
 
 
 def attention_bias(cfg: Mapping[str, Any]) -> bool:
@@ -341,7 +346,7 @@ def field_errors(draft: DraftSpec) -> list[ConfigError]:
     if "model_type" in cfg and not (isinstance(cfg["model_type"], str) and cfg["model_type"]):
         errors.append(ConfigError("draft.model_type", cfg["model_type"], "not a model type name",
                                   'write it as a string, e.g. "llama" (MHA head) or "deepseek_v3" (MLA head)'))
-    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), Mapping) else {}
+    eagle = eagle_config_of(cfg)
     if not isinstance(eagle.get("use_aux_hidden_state", True), bool):
         errors.append(ConfigError("draft.eagle_config.use_aux_hidden_state", eagle["use_aux_hidden_state"],
                                   "not a boolean", "write it as true (a head that reads the target's aux states, "

@@ -11,6 +11,7 @@ regeneration and capture, a short training, held-out GSM8K-test acceptance. `--c
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -253,8 +254,6 @@ def gsm8k_prompts(tok, path: str, n: int) -> list[list[int]]:
 def prompt_digest(ids: list[int]) -> str:
     """A prompt's identity as token ids (question, chat template and tokenizer together), kept per prompt in the
     acceptance estimate so a re-measurement can tell the report's prompts from others before pairing with them."""
-    import hashlib
-
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 

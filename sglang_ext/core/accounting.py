@@ -19,6 +19,7 @@ completion_tokens = sum over steps of (a + 1) + 1, the last 1 being the token pr
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Iterable
 
@@ -212,8 +213,6 @@ def pair_with_reference(measured: list[dict], reference: list[dict], eos: int | 
     there on, so "the same acceptance" means equal within the paired noise (|difference| <= 2 standard errors),
     and, on the prompts whose outputs are identical, close to equal. A trailing `eos` is ignored in the identity
     (a server may or may not return it). One prompt: no spread, so `paired_se` and `within_noise` are None."""
-    import math
-
     def ids(r):
         out = list(r["output_ids"])
         return out[:-1] if eos is not None and out and out[-1] == eos else out
