@@ -5,7 +5,7 @@ EAGLE3 and against the physical bound, side by side in one run (one GPU).
    q_lora 1536, kv_lora 512, qk_nope 128, qk_rope 64, v 128, dense MLP 18432, vocab 163840; `--layers`
    of them) served with `--load-format dummy` (no weight files), and ~1B-parameter random Eagle3 heads
    of the matching size in the MHA and the MLA layout (weights written on the GPU machine from
-   `draft_schema.expected_weights`, so names and shapes are what SGLang loads). Chat prompts come from
+   `sglang_ext.config.weights`, so names and shapes are what SGLang loads). Chat prompts come from
    a small ChatML tokenizer saved with the target.
 2. Arms, one server at a time (`ARMS`): no speculation; upstream EAGLE3 (plugin excluded with
    `SGLANG_PLUGINS`); the plugin with chain, with an MLA head, with tree drafting, with fp8 draft KV
@@ -90,6 +90,12 @@ ARMS = {
     "zero-accept": ("mha", CHAIN, EXTEND, False),
     "zero-accept-protected": ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost",
                                                                           **EXTEND, **VERIFY0}, False),
+    # upstream and the plugin at their defaults, each head format and drafting shape (what an FA3 server runs)
+    "plugin-mha-chain": ("mha", CHAIN, {}, True),
+    "upstream-mla-chain": ("mla", CHAIN, {"SGLANG_PLUGINS": "none"}, True),
+    "upstream-tree": ("mha-upstream", TREE, {"SGLANG_PLUGINS": "none"}, True),
+    "plugin-mha-tree": ("mha", TREE, {}, True),
+    "upstream-zero-accept": ("mha-upstream", CHAIN, {"SGLANG_PLUGINS": "none"}, False),
 }
 
 
@@ -114,7 +120,7 @@ def target_config(layers: int) -> dict:
 
 
 def head_config(fmt: str, layers: int, draft_vocab: int = 32000) -> dict:
-    from sglang_ext.conventions import default_output_ids
+    from sglang_ext.config.aux_layers import default_output_ids
 
     cfg = dict(hidden_size=KIMI["hidden_size"], intermediate_size=KIMI["intermediate_size"],
                num_attention_heads=KIMI["num_attention_heads"], vocab_size=KIMI["vocab_size"],
@@ -135,13 +141,13 @@ def head_config(fmt: str, layers: int, draft_vocab: int = 32000) -> dict:
 
 
 def write_head(out_dir: str, cfg: dict, fmt: str, device: str = "cuda", std: float = 0.02, seed: int = 0) -> int:
-    """Random weights for every tensor SGLang's loader expects (draft_schema.expected_weights)."""
+    """Random weights for every tensor SGLang's loader expects (the format's weight map)."""
     import torch
     from safetensors.torch import save_file
 
-    from sglang_ext.draft_schema import expected_weights
+    from sglang_ext.config import Eagle3DraftConfig, weight_map
 
-    required, _ = expected_weights(cfg, fmt)
+    required, _ = weight_map(fmt).expected(Eagle3DraftConfig.from_dict(cfg))
     g = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
     for name, shape in required.items():
@@ -161,7 +167,7 @@ def upstream_copy(src: str, dst: str) -> None:
     """The MHA head with its ids in upstream's reading (undeclared, SGLang convention)."""
     import shutil
 
-    from sglang_ext.conventions import from_output_ids
+    from sglang_ext.config.aux_layers import from_output_ids
 
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
@@ -220,13 +226,17 @@ def serverlib():
     return lib
 
 
-def server_args(arm: str, max_bs: int, mem_fraction: float) -> tuple[list[str], dict]:
+def server_args(arm: str, max_bs: int, mem_fraction: float, backend: str | None = None,
+                max_total_tokens: int | None = None) -> tuple[list[str], dict]:
+    """`backend` None: no --attention-backend, SGLang's own choice (fa3 for this MLA target on Hopper)."""
     head, drafting, env, simulated = ARMS[arm]
     tp_args = serverlib().tp_args
     bs = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b <= max_bs]
-    args = ["--model-path", f"{WORK}/target", "--load-format", "dummy", "--attention-backend", "triton",
+    args = ["--model-path", f"{WORK}/target", "--load-format", "dummy",
+            *(["--attention-backend", backend] if backend else []),
             "--mem-fraction-static", str(mem_fraction), "--max-running-requests", str(max_bs),
             "--cuda-graph-bs-decode", *map(str, bs), "--disable-prefill-cuda-graph",
+            *(["--max-total-tokens", str(max_total_tokens)] if max_total_tokens else []),
             *tp_args(int(os.environ.get("SPEC_BENCH_TP", "1")))]  # TP=2 on nvidia-h200-x2 (the TP issue)
     if head is not None:
         args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", f"{WORK}/head-{head}",
@@ -321,7 +331,7 @@ def level_seed(concurrency: int, purpose: str) -> int:
 
 def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_len: int, max_bs: int,
             mem_fraction: float, port: int, profile_at: set[int] = frozenset(), waves: int = 2,
-            warmup_tokens: int = 32) -> dict:
+            warmup_tokens: int = 32, backend: str | None = None) -> dict:
     """Each level: a warm-up pass, a prefill pass, then `repeats` timed passes of `waves` requests per client.
 
     - Warm-up (`warmup_tokens` per request, new prompts, at the level's concurrency; kept as `warmup`): the first
@@ -337,8 +347,9 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
 
     from eval.bench import run_arm as measure
 
-    args, env = server_args(arm, max_bs, mem_fraction)
-    row = {"arm": arm, "args": args, "env": env, "levels": {}, "waves": waves, "warmup_tokens": warmup_tokens}
+    args, env = server_args(arm, max_bs, mem_fraction, backend)
+    row = {"arm": arm, "args": args, "env": env, "levels": {}, "waves": waves, "warmup_tokens": warmup_tokens,
+           "attention_backend": backend or "default"}
     with Server(f"bench-{arm}", args, env) as srv:
         if not srv.wait_ready(420):
             row["error"] = f"server did not start: {srv.last_error()}\n{srv.log()[-3000:]}"
@@ -378,6 +389,72 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
         if adaptive:
             row["adaptive"] = adaptive
     return row
+
+
+def compare_arms(arms: list[str], levels: list[int], repeats: int, input_len: int, output_len: int, max_bs: int,
+                 mem_fraction: float, port: int, waves: int = 2, warmup_tokens: int = 32, backend: str | None = None,
+                 max_total_tokens: int | None = None) -> dict[str, dict]:
+    """The arms' servers side by side on one GPU, measured in turn: at each level every arm's warm-up and prefill
+    passes, then `repeats` rounds in which each arm runs once, the order rotated every round (A B C, B C A, ...), so
+    that drift over the run (clocks, a cold cache) falls on every arm alike. `max_total_tokens` caps each server's KV
+    pool: SGLang sizes a pool from the memory free when that server starts, which the others are taking."""
+    Server = serverlib().Server
+    from eval.bench import run_arm as measure
+
+    rows, servers = {}, {}
+    for i, arm in enumerate(arms):
+        args, env = server_args(arm, max_bs, mem_fraction, backend, max_total_tokens)
+        rows[arm] = {"arm": arm, "args": args, "env": env, "levels": {}, "waves": waves, "warmup_tokens": warmup_tokens,
+                     "attention_backend": backend or "default", "side_by_side": list(arms)}
+        servers[arm] = Server(f"bench-{arm}", args, env, port_number=port + i)
+    try:
+        live = []
+        for arm, srv in servers.items():
+            if srv.wait_ready(600):
+                rows[arm]["start_s"] = srv.ready_s
+                live.append(arm)
+            else:
+                rows[arm]["error"] = f"server did not start: {srv.last_error()}\n{srv.log()[-3000:]}"
+        for arm in live:  # first-use kernel compiles, not timed (run_arm)
+            measure(servers[arm].url, prompts(8, input_len, seed=99), 8, [32] * 8)
+            measure(servers[arm].url, prompts(1, input_len, seed=98), 1, [32])
+        for c in levels:
+            for arm in list(live):
+                url = servers[arm].url
+                if warmup_tokens > 0:
+                    rows[arm].setdefault("warmup", {})[str(c)] = measure(
+                        url, prompts(c, input_len, seed=level_seed(c, "warmup")), c, [warmup_tokens] * c)
+                rows[arm].setdefault("prefill", {})[str(c)] = measure(
+                    url, prompts(c, input_len, seed=level_seed(c, "prefill")), c, [1] * c)
+            n = max(4, waves * c)
+            for r in range(repeats):
+                k = r % max(1, len(live))
+                for arm in live[k:] + live[:k]:
+                    try:
+                        run = measure(servers[arm].url, prompts(n, input_len, seed=repeat_seed(c, r)), c,
+                                      [output_len] * n)
+                    except Exception as e:  # noqa: BLE001 -- a server died mid-run: keep measuring the others
+                        rows[arm]["error"] = f"{e!r} at concurrency {c}\n" + servers[arm].log()[-3000:]
+                        live.remove(arm)
+                        continue
+                    rows[arm]["levels"].setdefault(str(c), []).append(run)
+            first = next((a for a in arms if str(c) in rows[a]["levels"]), None)
+            for arm in live:
+                tps = [x["output_tokens_per_s"] for x in rows[arm]["levels"][str(c)]]
+                ratio = statistics.median(tps) / statistics.median(
+                    x["output_tokens_per_s"] for x in rows[first]["levels"][str(c)])
+                print(f"[bench] {arm} c={c}: median {statistics.median(tps):.1f} tok/s (min {min(tps):.1f}, max "
+                      f"{max(tps):.1f}); /{first} {ratio:.3f}; accepted drafts/step "
+                      f"{rows[arm]['levels'][str(c)][-1]['accepted_drafts_per_step']}", flush=True)
+    finally:
+        for arm, srv in servers.items():
+            srv.stop()
+            log = srv.log()
+            rows[arm]["pool"] = pool_facts(log)
+            adaptive = adaptive_facts(log)
+            if adaptive:
+                rows[arm]["adaptive"] = adaptive
+    return rows
 
 
 def profile_levels_of(spec: str | None, arm: str) -> set[int]:
@@ -646,6 +723,18 @@ def main(argv=None) -> int:
                         "arm, or ARM:C[,ARM:C...] for some (e.g. nospec:1,zero-accept-protected-verify-decode:1)")
     r.add_argument("--port", type=int, default=30177)
     r.add_argument("--deadline-s", type=float, default=1e9, help="start no arm after this many seconds")
+    r.add_argument("--attention-backend", default=None,
+                   help="the servers' --attention-backend (default: none given, SGLang's own choice: fa3 for this "
+                        "MLA target on Hopper)")
+    cmp_ = sub.add_parser("compare", help="the arms' servers side by side, measured in rotating order")
+    for act in r._actions[1:]:
+        if act.dest not in ("arms", "mem_fraction_static", "port", "deadline_s", "profile_at"):
+            cmp_._add_action(act)
+    cmp_.add_argument("arms", nargs="+", choices=list(ARMS))
+    cmp_.add_argument("--mem-fraction-static", type=float, default=0.9,
+                      help="per server; each pool is capped by --max-total-tokens")
+    cmp_.add_argument("--max-total-tokens", type=int, default=131072)
+    cmp_.add_argument("--port", type=int, default=30277)
     rp = sub.add_parser("report")
     rp.add_argument("--out", default="docs/benchmarks.md")
     al = sub.add_parser("all", help="build, run ARMS (default: all, in priority order) and report")
@@ -678,7 +767,8 @@ def main(argv=None) -> int:
                     "--waves", str(args.waves), "--warmup-tokens", str(args.warmup_tokens),
                     "--mem-fraction-static", str(args.mem_fraction_static), "--port", str(args.port),
                     "--deadline-s", str(args.deadline_s)] + \
-                   ([] if args.profile_at is None else ["--profile-at", args.profile_at])
+                   ([] if args.profile_at is None else ["--profile-at", args.profile_at]) + \
+                   ([] if args.attention_backend is None else ["--attention-backend", args.attention_backend])
         if todo:
             main(["run", *todo, *run_opts])
         return main(["report", "--out", args.out])
@@ -687,6 +777,11 @@ def main(argv=None) -> int:
     if args.cmd == "build":
         state["build"] = build(args.layers)
         print(json.dumps(state["build"]))
+    elif args.cmd == "compare":
+        rows = compare_arms(args.arms, [int(c) for c in args.concurrency.split(",")], args.repeats, args.input_len,
+                            args.output_len, args.max_bs, args.mem_fraction_static, args.port, args.waves,
+                            args.warmup_tokens, args.attention_backend, args.max_total_tokens)
+        state.setdefault("arms", {}).update(rows)
     elif args.cmd == "run":
         t0 = time.time()
         for arm in args.arms:
@@ -695,7 +790,8 @@ def main(argv=None) -> int:
                 continue
             row = run_arm(arm, [int(c) for c in args.concurrency.split(",")], args.repeats, args.input_len,
                           args.output_len, args.max_bs, args.mem_fraction_static, args.port,
-                          profile_levels_of(args.profile_at, arm), args.waves, args.warmup_tokens)
+                          profile_levels_of(args.profile_at, arm), args.waves, args.warmup_tokens,
+                          args.attention_backend)
             state.setdefault("arms", {})[arm] = row
             json.dump(state, open(state_path, "w"))
             if "error" in row:  # the next arm may still run (each arm is its own server)

@@ -8,7 +8,7 @@ import json
 import os
 import struct
 
-from sglang_ext.conventions import ConfigError
+from sglang_ext.errors import ConfigError
 
 INDEX_FILE = "model.safetensors.index.json"
 

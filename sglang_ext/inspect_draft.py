@@ -11,23 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
-from sglang_ext import checkpoint, draft_schema
-from sglang_ext.conventions import (
-    CONVENTION_FIELD,
-    ENGINES,
-    OVERRIDE_ENV,
-    PLUGIN_HOOKED,
-    ConfigError,
-    aux_layer_errors,
-    engine_output_ids,
-    load_json,
-    parse_draft,
-    parse_target,
-    plan_for_ids,
-)
+from sglang_ext import checkpoint, settings
+from sglang_ext.config import Eagle3DraftConfig, TargetConfig, kv, pair, resolve_with_errors
+from sglang_ext.config.architectures import PLUGIN_HOOKED
+from sglang_ext.config.aux_layers import CONVENTION_FIELD, ENGINES, OVERRIDE_FIELD, engine_output_ids
+from sglang_ext.config.values import load_json
+from sglang_ext.errors import ConfigError
 
 ENGINE_LABELS = {"sglang-ext": "sglang_ext (ours)", "sglang": "upstream SGLang 0.5.17",
                  "vllm": "vLLM / ATOM", "trtllm": "TRT-LLM"}
@@ -45,7 +36,7 @@ def inspect(draft_path: str, target_path: str, override: str | None = None, pool
                                  "message": str(e)})
 
     try:
-        target = parse_target(load_json(target_path))
+        target = TargetConfig.from_dict(load_json(target_path))
     except ConfigError as e:
         fail(e)
         return report
@@ -54,7 +45,7 @@ def inspect(draft_path: str, target_path: str, override: str | None = None, pool
                              "attention": "mla" if target.is_mla else "mha",
                              "text_config_nested": target.nested_text_config, "family": target.family}
     try:
-        draft = parse_draft(load_json(draft_path))
+        draft = Eagle3DraftConfig.from_dict(load_json(draft_path))
     except ConfigError as e:
         fail(e)
         return report
@@ -68,7 +59,7 @@ def inspect(draft_path: str, target_path: str, override: str | None = None, pool
     pickled = checkpoint.pickle_weight_files(draft_dir)
     if shapes:
         report["weights_checked"] = True
-        if fc_in is None and draft_schema.uses_aux_states(draft.config):
+        if fc_in is None and draft.use_aux_hidden_state:
             fail(ConfigError("fc.weight", None, "missing from the checkpoint",
                              "an Eagle3 head needs fc.weight (aux states -> hidden)"))
     elif pickled:
@@ -82,7 +73,7 @@ def inspect(draft_path: str, target_path: str, override: str | None = None, pool
                             "aux_ids_source": draft.aux_ids_source,
                             "vllm_layer_ids": list(draft.vllm_layer_ids) if draft.vllm_layer_ids else None,
                             "declared_convention": draft.aux_layer_convention, "fc_in_features": fc_in}
-    if not draft_schema.uses_aux_states(draft.config):
+    if not draft.use_aux_hidden_state:
         report["notes"].append("eagle_config.use_aux_hidden_state is false: SGLang captures no aux states and feeds "
                                "the head the target's last hidden state; the aux layers below are not captured")
     family = target.family
@@ -98,44 +89,41 @@ def inspect(draft_path: str, target_path: str, override: str | None = None, pool
     hooked = target.architecture in PLUGIN_HOOKED
     if not hooked and family != "unsupported":
         report["notes"].append(f"the plugin's aux-layer hook is not on {target.architecture}'s path: upstream "
-                               f"SGLang's reading applies ({OVERRIDE_ENV} and eagle_config.{CONVENTION_FIELD} "
+                               f"SGLang's reading applies ({OVERRIDE_FIELD} and eagle_config.{CONVENTION_FIELD} "
                                "are not applied)")
-    if hooked:
-        plan, errors = aux_layer_errors(target, draft, override, fc_in)
-    else:  # what upstream captures: eagle_config's ids its way, else its default
-        ids = draft.aux_layer_ids if draft.aux_ids_source == "eagle_config" else None
-        plan, errors = plan_for_ids(target, ids, None, None, fc_in)
+    plan, errors = resolve_with_errors(target, draft, override, fc_in)
     for e in errors:
         fail(e)
-    schema_errors = draft_schema.pair_errors(target, draft, shapes)
+    schema_errors = pair.pair_errors(target, draft, shapes)
     for e in schema_errors:
         fail(e)
     tp = pools.get("tp_size", 1)
-    if not draft_schema.field_errors(draft):
-        for e in draft_schema.tp_errors(target, draft, tp):
+    if not draft.errors():
+        for e in pair.tp_errors(target, draft, tp):
             fail(e)
-    for e in draft_schema.triton_pair_errors(target, draft):
+    for e in pair.triton_pair_errors(target, draft):
         if backend == "triton":
             fail(e)
         else:
             report["notes"].append(f"with --attention-backend triton: {e}")
-    if draft.head_format == "mla" and draft.config.get("q_lora_rank") is None and not schema_errors:
+    if draft.head_format == "mla" and draft.q_lora_rank is None and not schema_errors:
         report["notes"].append("an MLA head without q_lora_rank serves only with this plugin: upstream SGLang 0.5.17's "
                                "Eagle3DeepseekV2ForCausalLM and vLLM's deepseek_eagle3 require q_lora_rank")
     try:
-        kv = draft_schema.target_kv_dtype(pools.get("kv_cache_dtype"))
-        dkv = draft_schema.canonical_kv_dtype(pools.get("draft_kv_cache_dtype"), "--draft-kv-cache-dtype")
-        if draft_schema.TARGET_KV_DTYPES[kv] is not None:
-            for e in draft_schema.kv_dtype_errors(draft, dkv, kv):
+        kvd = kv.target_kv_dtype(pools.get("kv_cache_dtype"))
+        dkv = kv.canonical_kv_dtype(pools.get("draft_kv_cache_dtype"), "--draft-kv-cache-dtype")
+        if kv.TARGET_KV_DTYPES[kvd] is not None:
+            for e in kv.kv_dtype_errors(draft, dkv, kvd):
                 fail(e)
     except ConfigError as e:
         fail(e)
-        kv = None
+        kvd = None
     if schema_errors:
         report["notes"].append("KV pool report skipped: fix the errors above first")
-    elif kv is not None and draft_schema.TARGET_KV_DTYPES[kv] is None:
-        report["notes"].append(f"KV pool report skipped: a {kv} KV cache is a packed 4-bit recipe this tool does not size")
-    elif kv is not None:
+    elif kvd is not None and kv.TARGET_KV_DTYPES[kvd] is None:
+        report["notes"].append(f"KV pool report skipped: a {kvd} KV cache is a packed 4-bit recipe this tool does "
+                               "not size")
+    elif kvd is not None:
         try:
             on_disk = checkpoint.checkpoint_bytes(checkpoint.directory_of(target_path))
         except ConfigError as e:
@@ -177,16 +165,16 @@ def kv_pool_report(target, draft, shapes, gpu_memory_gib: float = 141.0, mem_fra
     """Bytes per token of each pool (per TP rank) and the split of the KV budget, ours vs upstream's. The
     target's weights per rank: its checkpoint's bytes / TP when given, else estimated from its config
     (quantization included)."""
-    kv = draft_schema.target_kv_dtype(kv_cache_dtype)
-    dkv = draft_schema.canonical_kv_dtype(draft_kv_cache_dtype, "--draft-kv-cache-dtype") or kv
-    t_bytes = draft_schema.target_kv_bytes_per_token(target, kv, tp_size)
-    d_bytes = draft_schema.draft_kv_bytes_per_token(draft, dkv, tp_size)
-    upstream_d = draft_schema.upstream_draft_bytes_per_token(target, kv, tp_size)
+    kvd = kv.target_kv_dtype(kv_cache_dtype)
+    dkv = kv.canonical_kv_dtype(draft_kv_cache_dtype, "--draft-kv-cache-dtype") or kvd
+    t_bytes = kv.target_kv_bytes_per_token(target, kvd, tp_size)
+    d_bytes = kv.draft_kv_bytes_per_token(draft, dkv, tp_size)
+    upstream_d = kv.upstream_draft_bytes_per_token(target, kvd, tp_size)
 
     def weights_per_rank(tp):
         if target_checkpoint_bytes is not None:
             return target_checkpoint_bytes // tp
-        return draft_schema.estimate_weight_bytes(target.text_config, 2, tp, config=target.config)
+        return kv.estimate_weight_bytes(target.text_config, 2, tp, config=target.config)
 
     target_weights = weights_per_rank(tp_size)
     draft_weights = checkpoint.tensor_bytes(shapes)
@@ -195,11 +183,11 @@ def kv_pool_report(target, draft, shapes, gpu_memory_gib: float = 141.0, mem_fra
         return int(gpu_memory_gib * 2 ** 30 * mem_fraction_static) - weights_per_rank(tp) - draft_weights // tp
 
     budget = budget_at(tp_size)
-    ours = draft_schema.PoolSplit(max(budget, 0), t_bytes, d_bytes)
-    upstream_tokens = draft_schema.PoolSplit(max(budget, 0), t_bytes, upstream_d).tokens
+    ours = kv.PoolSplit(max(budget, 0), t_bytes, d_bytes)
+    upstream_tokens = kv.PoolSplit(max(budget, 0), t_bytes, upstream_d).tokens
     overshoot = upstream_tokens * (d_bytes - upstream_d)
     min_tp = next((tp for tp in (1, 2, 4, 8, 16, 32, 64) if budget_at(tp) > 0), None)
-    return {"head_format": draft.head_format, "tp_size": tp_size, "kv_cache_dtype": kv, "draft_kv_cache_dtype": dkv,
+    return {"head_format": draft.head_format, "tp_size": tp_size, "kv_cache_dtype": kvd, "draft_kv_cache_dtype": dkv,
             "target_bytes_per_token": t_bytes, "draft_bytes_per_token": d_bytes,
             "upstream_draft_bytes_per_token": upstream_d, "gpu_memory_gib": gpu_memory_gib,
             "mem_fraction_static": mem_fraction_static, "target_weights_gib_estimate": target_weights / 2 ** 30,
@@ -262,14 +250,16 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("draft", help="draft checkpoint directory (config.json [+ safetensors])")
     ap.add_argument("--target", required=True, help="target directory or its config.json")
-    ap.add_argument("--override", default=os.environ.get(OVERRIDE_ENV),
-                    help=f"output ids as the operator would set {OVERRIDE_ENV} (default: that variable)")
+    ap.add_argument("--override", default=settings.raw_value("aux_layers"),
+                    help=f"output ids as the operator would give {OVERRIDE_FIELD} (default: its variable "
+                         f"{settings.BY_ATTR['aux_layers'].env})")
     ap.add_argument("--gpu-memory-gib", type=float, default=141.0, help="GPU memory for the pool split (H200: 141)")
     ap.add_argument("--mem-fraction-static", type=float, default=0.85)
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--kv-cache-dtype", default="bf16", help="the target's (SGLang --kv-cache-dtype)")
-    ap.add_argument("--draft-kv-cache-dtype", default=os.environ.get(draft_schema.DRAFT_KV_DTYPE_ENV),
-                    help=f"as the operator would set {draft_schema.DRAFT_KV_DTYPE_ENV} (default: that variable)")
+    ap.add_argument("--draft-kv-cache-dtype", default=settings.raw_value("draft_kv_cache_dtype"),
+                    help=f"as the operator would give {kv.DRAFT_KV_DTYPE_FIELD} (default: its variable "
+                         f"{settings.BY_ATTR['draft_kv_cache_dtype'].env})")
     ap.add_argument("--attention-backend", help="the server's (SGLang --attention-backend); triton: refuse MLA "
                                                 "latents its decode kernel cannot compile (otherwise a note)")
     ap.add_argument("--json", action="store_true", help="print a JSON report")

@@ -65,10 +65,11 @@ def write_head(path, fmt="mha", hidden=64, target_hidden=7168, vocab=163840, n_a
                arch=None, ids=None, convention=None, heads=2, **config_overrides):
     """A complete Eagle3 head (config.json + safetensors in the serving layout, written by the core),
     small (hidden 64) whatever the target's size; eagle_config ids/convention as given."""
-    from sglang_ext.core.heads import Eagle3Head, HeadConfig
+    from sglang_ext.config import Eagle3DraftConfig
+    from sglang_ext.core.heads import Eagle3Head
 
     mla = dict(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    cfg = HeadConfig(head_format=fmt, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=heads,
+    cfg = Eagle3DraftConfig(head_format=fmt, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=heads,
                      vocab_size=vocab, target_hidden_size=target_hidden, num_aux=n_aux, draft_vocab_size=draft_vocab,
                      **(dict(num_key_value_heads=2, head_dim=32) if fmt == "mha" else mla))
     head = Eagle3Head(cfg)
@@ -95,7 +96,7 @@ def write_head(path, fmt="mha", hidden=64, target_hidden=7168, vocab=163840, n_a
 @pytest.fixture
 def make_draft(tmp_path):
     """make_draft(name, target_hidden, n_aux, arch=..., ids=..., convention=..., vocab=...) -> a head dir."""
-    from sglang_ext.conventions import MLA_ARCHITECTURES
+    from sglang_ext.config.architectures import MLA_ARCHITECTURES
 
     def make(name, target_hidden=7168, n_aux=3, arch="LlamaForCausalLMEagle3", vocab=163840, **kw):
         fmt = "mla" if arch in MLA_ARCHITECTURES else "mha"

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sglang_ext.core.heads import Eagle3Head, HeadConfig  # noqa: E402
+from sglang_ext.config import Eagle3DraftConfig  # noqa: E402
+from sglang_ext.core.heads import Eagle3Head  # noqa: E402
 from training.features import read_shards  # noqa: E402
 from training.trainer import TrainConfig, train  # noqa: E402
 
@@ -20,7 +21,7 @@ from training.trainer import TrainConfig, train  # noqa: E402
 def train_dir(d: str, device: torch.device, cfg: dict, perturb: bool = False) -> tuple[Eagle3Head, dict]:
     """The head of DIR trained on DIR's shards with `cfg` (a TrainConfig's fields); metrics gain `seconds`.
     `perturb`: start from other weights (a rank that the trainer must bring to rank 0's)."""
-    head = Eagle3Head(HeadConfig.from_dict(json.load(open(os.path.join(d, "head.json")))))
+    head = Eagle3Head(Eagle3DraftConfig.from_dict(json.load(open(os.path.join(d, "head.json")))))
     head.load_state_dict(load_file(os.path.join(d, "head.safetensors")))
     head.embed_tokens.weight.requires_grad_(False)  # as the trainer's init leaves it
     head.to(device)

@@ -1,13 +1,14 @@
-"""The aux-layer convention: conversions, defaults and every refusal (sglang_ext.conventions)."""
+"""The aux-layer convention: conversions, defaults and every refusal (sglang_ext.config.aux_layers)."""
 
 import pytest
 
-from sglang_ext import conventions as C
-from sglang_ext.conventions import ConfigError
+from sglang_ext.config import aux_layers as C
+from sglang_ext.config import Eagle3DraftConfig, TargetConfig
+from sglang_ext.errors import ConfigError
 
 
 def target(n, arch="DeepseekV3ForCausalLM", hidden=7168):
-    return C.parse_target({"architectures": [arch], "num_hidden_layers": n, "hidden_size": hidden,
+    return TargetConfig.from_dict({"architectures": [arch], "num_hidden_layers": n, "hidden_size": hidden,
                            "vocab_size": 1000})
 
 
@@ -88,9 +89,9 @@ def test_override_wins_and_is_validated():
     p, errs = plan(61, [1, 29, 57], "output", override="2, 30, 60")
     assert not errs and p.output_ids == (2, 30, 60) and p.source == "override"
     _, errs = plan(61, [1, 29, 57], None, override="1,x")
-    assert errs[0].field == C.OVERRIDE_ENV
+    assert errs[0].field == C.OVERRIDE_FIELD
     _, errs = plan(61, None, None, override="1,61")
-    assert errs[0].field == C.OVERRIDE_ENV and "out of range" in errs[0].problem
+    assert errs[0].field == C.OVERRIDE_FIELD and "out of range" in errs[0].problem
 
 
 def test_last_layer_output_is_capturable():
@@ -100,7 +101,7 @@ def test_last_layer_output_is_capturable():
 
 
 def test_vl_wrapper_uses_text_config():
-    t = C.parse_target({"architectures": ["KimiK25ForConditionalGeneration"],
+    t = TargetConfig.from_dict({"architectures": ["KimiK25ForConditionalGeneration"],
                         "text_config": {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840,
                                         "kv_lora_rank": 512}})
     assert t.num_hidden_layers == 61 and t.nested_text_config and t.family == "deepseek" and t.is_mla
@@ -108,12 +109,12 @@ def test_vl_wrapper_uses_text_config():
 
 def test_missing_target_field_is_named():
     with pytest.raises(ConfigError) as e:
-        C.parse_target({"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 8, "vocab_size": 8})
+        TargetConfig.from_dict({"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 8, "vocab_size": 8})
     assert e.value.field == "target.num_hidden_layers"
 
 
 def test_draft_ids_must_be_integers():
     with pytest.raises(ConfigError) as e:
-        C.parse_draft({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 8, "vocab_size": 8,
+        Eagle3DraftConfig.from_dict({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 8, "vocab_size": 8,
                        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, "2", 3]}})
     assert e.value.field == "draft.eagle_config.eagle_aux_hidden_state_layer_ids"

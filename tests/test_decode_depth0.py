@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from sglang_ext.conventions import ConfigError
+from sglang_ext.errors import ConfigError
 
 sglang = pytest.importorskip("sglang.srt.speculative.eagle_worker_v2")
 
@@ -85,16 +85,14 @@ def upstream_path(*args, **kwargs):
     raise AssertionError("upstream's one-token verify ran")
 
 
+DEPTH0_ENV, EXTEND_ENV = "SGLANG_EXT_ADAPTIVE_DEPTH0", "SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND"
+
+
 @pytest.fixture
 def policy_on(monkeypatch):
-    from sglang_ext.serving import adaptive
-
     monkeypatch.setenv("SGLANG_EXT_ADAPTIVE_POLICY", "cost")
     monkeypatch.setenv("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND", "1")
-    monkeypatch.delenv(decode_depth0.ENV, raising=False)
-    adaptive.enabled.cache_clear()
-    yield
-    adaptive.enabled.cache_clear()
+    monkeypatch.delenv(DEPTH0_ENV, raising=False)
 
 
 def test_depth0_decodes_the_bonus_token_into_its_reserved_slot_and_returns_a_depth0_result(policy_on):
@@ -150,7 +148,7 @@ def test_the_draft_extend_runs_at_depth0_only_before_a_probe(policy_on, monkeypa
     from sglang_ext.core.adaptive import CostModelPolicy
 
     monkeypatch.delenv("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND")
-    monkeypatch.setenv(decode_depth0.EXTEND_ENV, mode)
+    monkeypatch.setenv(EXTEND_ENV, mode)
     worker, batch = make_worker(plain_runner()), make_batch()
     params = AdaptiveSpeculativeParams(initial_steps=0)  # upstream's routing of batch sizes to slots
     policy = CostModelPolicy([0, 1, 3], initial=0, probe_every=600)
@@ -171,16 +169,13 @@ def test_the_draft_extend_runs_at_depth0_only_before_a_probe(policy_on, monkeypa
 
 
 def test_an_unknown_depth0_draft_extend_mode_is_refused_at_startup(monkeypatch):
-    from sglang_ext.serving import adaptive
+    from sglang_ext.serving import startup
 
     monkeypatch.setenv("SGLANG_EXT_ADAPTIVE_POLICY", "cost")
-    monkeypatch.setenv(decode_depth0.EXTEND_ENV, "sometimes")
-    adaptive.enabled.cache_clear()
-    try:
-        with pytest.raises(ConfigError, match="SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND.*sometimes.*'warm'"):
-            adaptive.warn_if_inert(types.SimpleNamespace(speculative_adaptive=True))
-    finally:
-        adaptive.enabled.cache_clear()
+    monkeypatch.setenv(EXTEND_ENV, "sometimes")
+    with pytest.raises(ConfigError, match="--speculative-adaptive-depth0-draft-extend .SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_"
+                                          "EXTEND.*sometimes.*warm, keep, skip"):
+        startup.validate(types.SimpleNamespace(speculative_adaptive=True, speculative_algorithm=None))
 
 
 class _null:
@@ -214,12 +209,9 @@ def test_batches_that_need_the_verify_path_keep_upstreams(policy_on, monkeypatch
     elif case == "prefill":
         batch.forward_mode = ForwardMode.EXTEND
     elif case == "policy off":
-        from sglang_ext.serving import adaptive
-
         monkeypatch.delenv("SGLANG_EXT_ADAPTIVE_POLICY")
-        adaptive.enabled.cache_clear()
     elif case == "verify asked for":
-        monkeypatch.setenv(decode_depth0.ENV, "verify")
+        monkeypatch.setenv(DEPTH0_ENV, "verify")
     calls = []
     out = decode_depth0.forward_batch_generation(lambda w, b, *a, **k: calls.append(b) or "upstream", worker, batch)
     assert out == "upstream" and calls == [batch] and worker.target_worker.seen is None
@@ -232,23 +224,23 @@ def test_depth0_graphs_never_replay_a_verify_batch():
     verify = types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY)
     assert runner.can_run_graph(verify) is False and runner.get_spec_info(8) is None
     runner.captured_req_width = 2
-    with pytest.raises(RuntimeError, match=f"{decode_depth0.ENV}=verify"):
+    with pytest.raises(RuntimeError, match="--speculative-adaptive-depth0 verify"):
         runner.capture()
 
 
 def test_an_unknown_depth0_mode_is_refused_with_the_fix(monkeypatch):
-    monkeypatch.setenv(decode_depth0.ENV, "plain")
+    monkeypatch.setenv(DEPTH0_ENV, "plain")
     with pytest.raises(ConfigError) as e:
         decode_depth0.mode()
-    assert decode_depth0.ENV in str(e.value) and "plain" in str(e.value) and "'decode'" in str(e.value)
+    assert DEPTH0_ENV in str(e.value) and "plain" in str(e.value) and "decode, verify" in str(e.value)
 
 
 def test_hooks_name_real_sglang_symbols_and_register_only_with_the_policy():
     import importlib
 
-    for path in decode_depth0.AROUND_HOOKS:
-        module, cls, fn = path.rsplit(".", 2)
-        assert callable(getattr(getattr(importlib.import_module(module), cls), fn)), path
+    for hook in decode_depth0.HOOKS:
+        module, cls, fn = hook.target.rsplit(".", 2)
+        assert callable(getattr(getattr(importlib.import_module(module), cls), fn)), hook.target
     code = ("from sglang.srt.plugins import load_plugins; load_plugins(); "
             "from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2 as W; "
             "print(hasattr(W.forward_batch_generation, '__wrapped__'), "
@@ -268,12 +260,17 @@ def test_depth0_state_is_built_by_upstream_with_decode_graphs_and_only_depth0(po
     upstream = W.DecodeCudaGraphRunner
 
     def build(worker, speculative_num_steps, speculative_num_draft_tokens, cuda_graph_bs=None):
-        return types.SimpleNamespace(target_graph_runner=object.__new__(W.DecodeCudaGraphRunner))
+        runner = object.__new__(W.DecodeCudaGraphRunner)  # as upstream's build constructs it, through the hook on
+        decode_depth0.runner_init(lambda self, *a, **k: None, runner)  # its __init__ (whose capture needs a GPU)
+        return types.SimpleNamespace(target_graph_runner=runner)
 
     depth0 = decode_depth0.build_runtime_state(build, None, speculative_num_steps=0, speculative_num_draft_tokens=1)
     depth3 = decode_depth0.build_runtime_state(build, None, speculative_num_steps=3, speculative_num_draft_tokens=4)
     assert type(depth0.target_graph_runner) is decode_depth0.plain_decode_runner_class()
     assert type(depth3.target_graph_runner) is upstream and W.DecodeCudaGraphRunner is upstream
+    outside = object.__new__(W.DecodeCudaGraphRunner)  # a runner built outside a depth-0 build stays upstream's
+    decode_depth0.runner_init(lambda self, *a, **k: None, outside)
+    assert type(outside) is upstream
 
 
 def test_without_host_sequence_lengths_the_step_stays_on_the_gpu(policy_on):

@@ -8,16 +8,17 @@ import torch
 
 from conftest import kimi_k25_config, write_head, write_model_dir
 from sglang_ext import checkpoint
-from sglang_ext.conventions import ConfigError, load_json, parse_draft, parse_target
-from sglang_ext.core.heads import Eagle3Head, HeadConfig
-from sglang_ext.draft_schema import (
+from sglang_ext.config import Eagle3DraftConfig, TargetConfig, WeightMap, weight_map
+from sglang_ext.config.values import load_json
+from sglang_ext.errors import ConfigError
+from sglang_ext.config import Eagle3DraftConfig
+from sglang_ext.core.heads import Eagle3Head
+from sglang_ext.config.pair import pair_errors
+from sglang_ext.config.kv import (
     PoolSplit,
     canonical_kv_dtype,
     draft_kv_bytes_per_token,
-    expected_weights,
     kv_dtype_errors,
-    normalise_weight_name,
-    pair_errors,
     target_kv_bytes_per_token,
     upstream_draft_bytes_per_token,
 )
@@ -37,10 +38,10 @@ HEADS = {
 @pytest.mark.parametrize("name", HEADS)
 def test_expected_weights_are_what_the_core_exports(name):
     """The schema SGLang's loaders are checked against == the names and shapes our export writes."""
-    cfg = HeadConfig(**dict(BASE, **HEADS[name]))
+    cfg = Eagle3DraftConfig(**dict(BASE, **HEADS[name]))
     head = Eagle3Head(cfg)
-    exported = {normalise_weight_name(k): list(v.shape) for k, v in head.checkpoint_state().items()}
-    required, optional = expected_weights(cfg.to_dict(), cfg.head_format)
+    exported = {WeightMap.canonical(k): list(v.shape) for k, v in head.checkpoint_state().items()}
+    required, optional = weight_map(cfg.head_format).expected(Eagle3DraftConfig.from_dict(cfg.to_dict()))
     assert set(required) <= set(exported), sorted(set(required) - set(exported))
     assert set(exported) <= set(required) | set(optional), sorted(set(exported) - set(required) - set(optional))
     for k, shape in exported.items():
@@ -50,9 +51,9 @@ def test_expected_weights_are_what_the_core_exports(name):
 
 
 def test_legacy_names_are_normalised():
-    assert normalise_weight_name("midlayer.self_attn.q_proj.weight") == "layers.0.self_attn.q_proj.weight"
-    assert normalise_weight_name("model.layers.0.mlp.up_proj.weight") == "layers.0.mlp.up_proj.weight"
-    assert normalise_weight_name("aux_norm_mid.weight") == "fc_norm.1.weight"
+    assert WeightMap.canonical("midlayer.self_attn.q_proj.weight") == "layers.0.self_attn.q_proj.weight"
+    assert WeightMap.canonical("model.layers.0.mlp.up_proj.weight") == "layers.0.mlp.up_proj.weight"
+    assert WeightMap.canonical("aux_norm_mid.weight") == "fc_norm.1.weight"
 
 
 @pytest.fixture
@@ -60,11 +61,11 @@ def tiny_target(tmp_path):
     cfg = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8, "hidden_size": 512, "vocab_size": 512,
            "num_attention_heads": 8, "q_lora_rank": 256, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
            "qk_rope_head_dim": 64, "v_head_dim": 128}
-    return parse_target(cfg), write_model_dir(tmp_path / "t", cfg)
+    return TargetConfig.from_dict(cfg), write_model_dir(tmp_path / "t", cfg)
 
 
 def _errors(target, path):
-    return pair_errors(target, parse_draft(load_json(path)), checkpoint.weight_shapes(path))
+    return pair_errors(target, Eagle3DraftConfig.from_dict(load_json(path)), checkpoint.weight_shapes(path))
 
 
 def _edit(path, **changes):
@@ -116,9 +117,7 @@ def test_each_refusal_names_field_value_and_fix(tmp_path, tiny_target, run_cli, 
     d = write_head(tmp_path / "d", fmt, hidden=512, target_hidden=512, vocab=512, draft_vocab=128,
                    **({"q_lora_rank": 64} if fmt == "mla" else {}))
     if fmt == "mla":  # write_head's MLA default has no q_lora_rank; give it one so the last cases can drop it
-        cfg = HeadConfig.from_dict(load_json(d))
-        cfg.q_lora_rank = 64
-        Eagle3Head(cfg).save_pretrained(d)
+        Eagle3Head(Eagle3DraftConfig.from_dict(load_json(d)).evolve(q_lora_rank=64)).save_pretrained(d)
     edit(d)
     errors = _errors(target, d)
     assert any(e.field == field and words in e.problem and e.fix for e in errors), [str(e) for e in errors]
@@ -133,9 +132,9 @@ def test_kv_dtype_option():
     assert canonical_kv_dtype("fp8") == "fp8_e4m3" and canonical_kv_dtype("bfloat16") == "bf16"
     with pytest.raises(ConfigError) as e:
         canonical_kv_dtype("int4")
-    assert e.value.field == "SGLANG_EXT_DRAFT_KV_CACHE_DTYPE" and "fp8_e4m3" in e.value.fix
-    mha = parse_draft({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64, "vocab_size": 10})
-    mla = parse_draft({"architectures": ["Eagle3DeepseekV2ForCausalLM"], "hidden_size": 64, "vocab_size": 10})
+    assert e.value.field == "--speculative-draft-kv-cache-dtype (SGLANG_EXT_DRAFT_KV_CACHE_DTYPE)" and "fp8_e4m3" in e.value.fix
+    mha = Eagle3DraftConfig.from_dict({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64, "vocab_size": 10})
+    mla = Eagle3DraftConfig.from_dict({"architectures": ["Eagle3DeepseekV2ForCausalLM"], "hidden_size": 64, "vocab_size": 10})
     assert kv_dtype_errors(mha, "fp8_e4m3", "bf16", (9, 0)) == []
     assert "cannot cache fp8_e4m3" in kv_dtype_errors(mha, "fp8_e4m3", "bf16", (8, 0))[0].problem  # A100
     assert "shares the target's latent KV layout" in kv_dtype_errors(mla, "fp8_e4m3", "bf16", (9, 0))[0].problem
@@ -143,10 +142,10 @@ def test_kv_dtype_option():
 
 
 def _kimi_heads():
-    target = parse_target(kimi_k25_config())
-    mha = parse_draft({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 7168, "vocab_size": 163840,
+    target = TargetConfig.from_dict(kimi_k25_config())
+    mha = Eagle3DraftConfig.from_dict({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 7168, "vocab_size": 163840,
                        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128})
-    mla = parse_draft({"architectures": ["Eagle3DeepseekV2ForCausalLM"], "hidden_size": 7168, "vocab_size": 163840,
+    mla = Eagle3DraftConfig.from_dict({"architectures": ["Eagle3DeepseekV2ForCausalLM"], "hidden_size": 7168, "vocab_size": 163840,
                        "num_attention_heads": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
                        "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": 1536})
     return target, mha, mla
@@ -181,15 +180,15 @@ def test_pool_split_by_hand():
 
 
 def test_pool_arithmetic_tiny_models():
-    t = parse_target({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8, "hidden_size": 512,
+    t = TargetConfig.from_dict({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8, "hidden_size": 512,
                       "vocab_size": 512, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 8})
     assert target_kv_bytes_per_token(t) == 576 * 8 * 2 == 9216
     from sglang_ext.core import tiny
 
     cfg = tiny.deepseek_v3_config(num_layers=8, moe_layers=1, hidden=512, heads=8, vocab=512, q_lora_rank=256,
                                   kv_lora_rank=512, qk_nope=128, qk_rope=64, v_head=128)
-    mha = parse_draft(tiny.head_config_for(cfg, "mha", [1, 3, 5]).to_dict())
-    mla = parse_draft(tiny.head_config_for(cfg, "mla", [1, 3, 5]).to_dict())
+    mha = Eagle3DraftConfig.from_dict(tiny.head_config_for(cfg, "mha", [1, 3, 5]).to_dict())
+    mla = Eagle3DraftConfig.from_dict(tiny.head_config_for(cfg, "mla", [1, 3, 5]).to_dict())
     assert draft_kv_bytes_per_token(mha) == 8 * 2 * 64 * 2 == 2048  # 8 KV heads, head_dim 64 under an MLA target
     assert draft_kv_bytes_per_token(mla) == 576 * 2 == 1152
 
@@ -217,7 +216,7 @@ def test_inspect_draft_prints_format_bytes_and_split(tmp_path, run_cli):
 def test_triton_mla_latent_rule_mirrors_sglangs_decode_kernel():
     """SGLang 0.5.17's Triton MLA decode kernel compiled for DeepSeek's 512 + 64 and refused 256 + 64 on
     an H200 (`incompatible dimensions ... 256 and 512`): the rule computes its two tile widths."""
-    from sglang_ext.draft_schema import triton_mla_blocks, triton_mla_errors
+    from sglang_ext.config.pair import triton_mla_blocks, triton_mla_errors
 
     assert triton_mla_blocks(512, 64) == (512, 512) and triton_mla_blocks(256, 64) == (512, 256)
     assert triton_mla_blocks(256, 32) == (256, 256) and triton_mla_blocks(448, 64) == (512, 512)

@@ -125,16 +125,18 @@ def test_server_extractor_gives_the_in_process_records(pair, tmp_path):
             ServerFeatureExtractor(url, tok, str(tmp_path), aux_width=4 * 64).many(convs[:1])
 
 
-def test_feature_server_refuses_a_radix_cache_and_turns_capture_on():
+def test_feature_server_refuses_a_radix_cache_and_turns_capture_on(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from sglang_ext.conventions import ConfigError
+    from sglang_ext.config import AuxLayerPlan
+    from sglang_ext.errors import ConfigError
 
     calls = []
+    monkeypatch.setenv("SGLANG_EXT_FEATURE_DIR", str(tmp_path))
 
     def set_layers(ids):  # what our aux_capture hook leaves on a DeepseekV3 / Llama target
         calls.append(ids)
-        model._sglang_ext_aux_plan = "plan"
+        model._sglang_ext_aux_plan = AuxLayerPlan((1, 3, 4), "default", "output", None)
 
     model = SimpleNamespace(capture_aux_hidden_states=False, set_eagle3_layers_to_capture=set_layers)
     runner = SimpleNamespace(is_draft_worker=False, model=model, server_args=SimpleNamespace(disable_radix_cache=False))
@@ -144,6 +146,8 @@ def test_feature_server_refuses_a_radix_cache_and_turns_capture_on():
     runner.server_args.disable_radix_cache = True
     FC.after_load_model(None, runner)
     assert calls == [None]  # SGLang's capture entry point, which our aux_capture hook plans and checks
+    # the layers it captures are recorded for the trainer, which refuses features of other layers
+    assert json.load(open(tmp_path / FC.PLAN_FILE))["output_ids"] == [1, 3, 4]
     draft = SimpleNamespace(is_draft_worker=True, model=model, server_args=runner.server_args)
     FC.after_load_model(None, draft)
     assert calls == [None]  # the draft's runner is left alone
@@ -254,7 +258,7 @@ def test_fp8_blocks_dequantize_as_deepseek_stores_them():
 def test_a_feature_server_serves_the_target_alone():
     from types import SimpleNamespace
 
-    from sglang_ext.conventions import ConfigError
+    from sglang_ext.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
         FC.check_server(SimpleNamespace(speculative_algorithm="EAGLE3", disable_radix_cache=True))

@@ -13,6 +13,8 @@ CHECK = """
 import argparse, json, sys
 sys.path.insert(0, "tests/gpu")
 import check_scale_target, check_serving as CS, scale_pipeline as SP, serverlib
+import os
+pipeline_backend = os.environ.pop("GPU_CHECK_ATTENTION_BACKEND", None)  # the pipeline keeps Triton (its figures')
 from training.train_draft import parse_args
 from sglang.srt.server_args import ServerArgs
 
@@ -25,16 +27,23 @@ p = argparse.ArgumentParser()
 ServerArgs.add_cli_args(p)
 lines = {}
 for name in CS.ARMS:
-    a = p.parse_args(serverlib.BASE_ARGS + CS.arm_args(name))  # what Server launches
+    a = p.parse_args(serverlib.launch_args() + CS.arm_args(name))  # what Server launches
     lines[name] = [a.speculative_algorithm, a.speculative_eagle_topk, a.disable_overlap_schedule, a.enable_fp32_lm_head,
                    a.max_running_requests, a.enable_deterministic_inference, a.attention_backend,
                    sorted(CS.ARMS[name][2].items()), a.enforce_disable_flashinfer_allreduce_fusion]
 import os
 os.environ["GPU_CHECK_TP"] = "2"
-a = p.parse_args(serverlib.BASE_ARGS + CS.arm_args("mla-tree"))
+a = p.parse_args(serverlib.launch_args() + CS.arm_args("mla-tree"))
+os.environ["GPU_CHECK_ATTENTION_BACKEND"] = "flashinfer"
+chosen = {n: p.parse_args(serverlib.launch_args() + CS.arm_args(n)).attention_backend for n in
+          ("target", "mha-chain", "mla-tree-deterministic", "target-triton", "mla-chain-verify-decode-deterministic")}
+refs = {n: CS.reference_key(n) for n in ("mha-chain", "mla-tree-deterministic", "mla-chain-verify-decode-deterministic",
+                                         "target-deterministic-triton", "upstream-mha-chain")}
 tp2 = [a.tp_size, a.enforce_disable_flashinfer_allreduce_fusion]
 print(json.dumps({"train": [args.batch_tokens, args.profile_steps, args.max_train_minutes, args.ttt_steps,
-                            args.draft_format, args.regen_server, short, late], "arms": lines, "tp2": tp2}))
+                            args.draft_format, args.regen_server, short, late], "arms": lines, "tp2": tp2,
+                  "chosen": chosen, "refs": refs, "pipeline_backend": pipeline_backend, "groups": CS.groups_of(["mha-chain", "target", "mla-chain", "target-triton"], 3),
+                  "groups_training": CS.groups_of(["mha-chain", "target", "mla-chain", "target-triton"], 3, True)}))
 """
 
 
@@ -46,24 +55,39 @@ def test_gpu_script_command_lines_parse():
     # the pipeline passes --device cuda: the GPU defaults; TRAIN_MINUTES (5) is cut to what the deadline leaves
     assert r["train"] == [16384, 3, 5.0, 7, "mla", "http://x", 1.0, 2.5]
     arms = r["arms"]
+    CS_TRITON = {n for n in arms if "verify-decode" in n or "-extend-" in n or n.endswith("triton")}
     assert arms["target"][0] is None and arms["mha-chain"][:2] == ["EAGLE3", 1] and arms["mla-tree"][1] == 4
     assert arms["mha-chain-no-overlap"][2] is True and arms["mha-chain"][2] is False
     assert all(a[3] is True and a[4] == 64 for a in arms.values())
-    # the backend verify as decode attention extends, named (deterministic mode must be given one for an MLA target;
-    # SGLang's own default on Hopper is fa3)
-    assert all(a[6] == "triton" for a in arms.values())
-    # the batch-invariant set (SGLang's deterministic mode): the target alone, chains on upstream's verify kernel,
-    # every drafting shape verified as decode attention (chain, tree, fp8 draft KV, overlap off), and the
-    # protection (adaptive depth with the cost policy: its depth 0 is a plain decode step)
+    # no backend named: SGLang's own choice (fa3 for an MLA target on Hopper), except the arms of the Triton backend's
+    # verify (verify as decode attention, upstream's extend kernel) and the Triton target arms they are read against
+    triton = {n for n, a in arms.items() if a[6] == "triton"}
+    assert triton == CS_TRITON and not any(a[6] for n, a in arms.items() if n not in triton)
+    assert r["chosen"] == {"target": "flashinfer", "mha-chain": "flashinfer", "mla-tree-deterministic": "flashinfer",
+                           "target-triton": "triton", "mla-chain-verify-decode-deterministic": "triton"}
+    # each arm is read against the target alone on its own backend and mode
+    assert r["refs"] == {"mha-chain": "reference", "mla-tree-deterministic": "reference-deterministic",
+                         "mla-chain-verify-decode-deterministic": "reference-deterministic-triton",
+                         "target-deterministic-triton": "reference-deterministic-triton",
+                         "upstream-mha-chain": "reference"}
+    assert r["pipeline_backend"] == "triton"
+    # servers started side by side: the target-alone arms first
+    assert r["groups"] == [["target", "target-triton", "mha-chain"], ["mla-chain"]]
+    assert r["groups_training"] == [["target", "target-triton"], ["mha-chain", "mla-chain"]]  # heads still training
+    # the batch-invariant set (SGLang's deterministic mode): the target alone (on the run's backend and on Triton),
+    # every drafting shape on the run's backend, the same verified as decode attention on Triton, chains on
+    # Triton's upstream verify kernel, and the protection (its depth 0 is a plain decode step)
+    shapes = ("mha-chain", "mla-chain", "mha-tree", "mla-tree", "mha-chain-fp8", "mha-chain-no-overlap",
+              "mha-chain-protected")
     det = {n for n, a in arms.items() if a[5]}
-    assert det == {"target-deterministic", "mha-chain-deterministic", "mla-chain-deterministic",
-                   "mha-chain-protected-deterministic"} | {
-        f"{n}-verify-decode-deterministic" for n in ("mha-chain", "mla-chain", "mha-tree", "mla-tree", "mha-chain-fp8",
-                                                     "mha-chain-no-overlap")}
-    assert dict(arms["mha-chain-protected-deterministic"][7]) == {"SGLANG_EXT_ADAPTIVE_POLICY": "cost",
-                                                                  "SGLANG_EXT_MLA_VERIFY": "decode"}
+    assert det == {"target-deterministic", "target-deterministic-triton", "mha-chain-extend-deterministic",
+                   "mla-chain-extend-deterministic"} | {f"{n}-deterministic" for n in shapes} | {
+        f"{n}-verify-decode-deterministic" for n in shapes}
+    assert dict(arms["mha-chain-protected-deterministic"][7]) == {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"}
+    assert dict(arms["mha-chain-protected-verify-decode-deterministic"][7]) == {
+        "SGLANG_EXT_ADAPTIVE_POLICY": "cost", "SGLANG_EXT_MLA_VERIFY": "decode"}
     assert arms["mha-chain-deterministic"][:2] == ["EAGLE3", 1] and arms["target-deterministic"][0] is None
-    assert dict(arms["mha-chain-deterministic"][7]) == {"SGLANG_EXT_MLA_VERIFY": "extend"}
+    assert dict(arms["mha-chain-extend-deterministic"][7]) == {"SGLANG_EXT_MLA_VERIFY": "extend"}
     assert dict(arms["mha-chain-fp8-verify-decode-deterministic"][7]) == {
         "SGLANG_EXT_DRAFT_KV_CACHE_DTYPE": "fp8_e4m3", "SGLANG_EXT_MLA_VERIFY": "decode"}
     assert arms["mla-tree-verify-decode-deterministic"][1] == 4

@@ -9,9 +9,10 @@ import re
 import pytest
 import torch
 
-from sglang_ext.conventions import ConfigError
+from sglang_ext.errors import ConfigError
 from sglang_ext.core import tiny
-from sglang_ext.core.heads import Eagle3Head, HeadConfig
+from sglang_ext.config import Eagle3DraftConfig
+from sglang_ext.core.heads import Eagle3Head
 from sglang_ext.core.layers import KVCache, RotaryEmbedding
 
 TOL = 1e-5
@@ -34,7 +35,7 @@ def rope_naive(x, pos, theta, interleaved):
     return torch.cat([y.real, y.imag], -1).to(x.dtype)
 
 
-def naive_head(W, cfg: HeadConfig, emb_table, ids, hidden, pos, mask):
+def naive_head(W, cfg: Eagle3DraftConfig, emb_table, ids, hidden, pos, mask):
     """One Eagle3 step from raw checkpoint tensors; mask [T, T] (True = attend)."""
     p = "midlayer." if cfg.head_format == "mha" else "layers.0."
     e = emb_table[ids]
@@ -189,7 +190,7 @@ def test_config_has_every_field_sglang_reads(fmt, targets):
     assert not needed - set(d), needed - set(d)
     assert d["num_hidden_layers"] == 1 and d["draft_vocab_size"] == d["vocab_size"]
     assert d["architectures"] == (["LlamaForCausalLMEagle3"] if fmt == "mha" else ["Eagle3DeepseekV2ForCausalLM"])
-    again = HeadConfig.from_dict(d)
+    again = Eagle3DraftConfig.from_dict(d)
     assert again.to_dict() == d
 
 
@@ -215,22 +216,23 @@ def test_undeclared_convention_survives_a_load_save_round_trip(targets, tmp_path
     # a SpecForge-style export without a declared convention must not be re-stamped as 'output'
     d = tiny.head_config_for(targets["ds"].config, "mha", [2, 3, 4]).to_dict()
     del d["eagle_config"]["aux_layer_convention"]
-    again = HeadConfig.from_dict(d).to_dict()
+    again = Eagle3DraftConfig.from_dict(d).to_dict()
     assert again["eagle_config"] == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [2, 3, 4]}
 
 
 def test_export_names_the_layers_for_vllm_too(targets):
     """vLLM reads the top-level eagle_aux_hidden_state_layer_ids as input ids (not eagle_config's): the export
     writes it, so both engines capture the layers the head was trained on."""
-    from sglang_ext.conventions import engine_output_ids, parse_draft, parse_target
+    from sglang_ext.config import Eagle3DraftConfig, TargetConfig
+    from sglang_ext.config.aux_layers import engine_output_ids
 
     d = tiny.head_config_for(targets["ds"].config, "mha", [0, 1, 3]).to_dict()
     assert d["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
     assert d["eagle_config"]["aux_layer_convention"] == "output" and d["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
-    target = parse_target(targets["ds"].config.to_dict())
-    draft = parse_draft(d)
+    target = TargetConfig.from_dict(targets["ds"].config.to_dict())
+    draft = Eagle3DraftConfig.from_dict(d)
     assert engine_output_ids("sglang-ext", target, draft) == engine_output_ids("vllm", target, draft) == [0, 1, 3]
-    assert HeadConfig.from_dict(d).to_dict() == d
+    assert Eagle3DraftConfig.from_dict(d).to_dict() == d
 
 
 def test_head_configs_no_loader_serves_are_refused_before_training(targets):

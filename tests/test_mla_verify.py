@@ -55,20 +55,30 @@ def test_deterministic_mode_verify_rows_equal_plain_decode_bit_for_bit():
     assert r["verify_vs_plain_decode_max_diff"] == 0.0
 
 
+ENV = "SGLANG_EXT_MLA_VERIFY"
+
+
 def test_option_parsing(monkeypatch):
-    from sglang_ext.conventions import ConfigError
+    from sglang_ext.errors import ConfigError
     from sglang_ext.serving import mla_verify
+
+    from sglang_ext import settings
+    from sglang_ext.serving import hooks
+
+    def registered():
+        return any(h.target.endswith("TritonAttnBackend.forward_extend") for h in
+                   hooks.active_hooks(settings.requested()))
 
     for value, want, chosen in (("", True, "auto"), ("auto", True, "auto"), ("off", False, "extend"),
                                 ("extend", False, "extend"), ("decode", True, "decode"), ("DECODE", True, "decode")):
-        monkeypatch.setenv(mla_verify.ENV, value)
-        assert mla_verify.requested() is want and mla_verify.validate() is want and mla_verify.mode() == chosen
+        monkeypatch.setenv(ENV, value)
+        assert registered() is want and mla_verify.mode() == chosen
     # a typo must not turn the plugin off at registration (SGLang's loader swallows exceptions there):
     # the hooks are registered and the server start refuses the value
-    monkeypatch.setenv(mla_verify.ENV, "fast")
-    assert mla_verify.requested()
-    with pytest.raises(ConfigError, match="SGLANG_EXT_MLA_VERIFY.*'auto'"):
-        mla_verify.validate()
+    monkeypatch.setenv(ENV, "fast")
+    assert registered()
+    with pytest.raises(ConfigError, match="SGLANG_EXT_MLA_VERIFY.*'fast'.*auto, decode, extend"):
+        mla_verify.mode()
 
 
 @pytest.mark.parametrize("value,topk,use_mla,applied", [
@@ -80,7 +90,7 @@ def test_which_backends_verify_as_decode(monkeypatch, value, topk, use_mla, appl
 
     from sglang_ext.serving import mla_verify
 
-    monkeypatch.setenv(mla_verify.ENV, value)
+    monkeypatch.setenv(ENV, value)
     backend = types.SimpleNamespace(use_mla=use_mla, topk=topk, dcp_size=1, sliding_window_size=None,
                                     _translate_kv_loc=None, page_size=1)
     assert mla_verify.applies(backend) is applied
@@ -91,9 +101,9 @@ def test_hooks_name_real_sglang_symbols():
 
     from sglang_ext.serving import mla_verify
 
-    for path in [*mla_verify.AFTER_HOOKS, *mla_verify.AROUND_HOOKS]:
-        module, cls, fn = path.rsplit(".", 2)
-        assert callable(getattr(getattr(importlib.import_module(module), cls), fn)), path
+    for hook in mla_verify.HOOKS:
+        module, cls, fn = hook.target.rsplit(".", 2)
+        assert callable(getattr(getattr(importlib.import_module(module), cls), fn)), hook.target
 
 
 @pytest.mark.parametrize("value,wrapped", [("decode", True), ("", True), ("extend", False)])

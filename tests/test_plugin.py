@@ -29,7 +29,7 @@ def test_entry_point_is_registered():
 
 def test_import_is_light():
     p = run_py("""
-        import sys, sglang_ext, sglang_ext.conventions, sglang_ext.inspect_draft, sglang_ext.plugin
+        import sys, sglang_ext, sglang_ext.config, sglang_ext.settings, sglang_ext.inspect_draft, sglang_ext.plugin
         heavy = [m for m in ("sglang", "torch", "transformers") if m in sys.modules]
         assert not heavy, heavy
         print("ok")""")
@@ -93,10 +93,11 @@ def _result(p):
 
 @pytest.fixture(scope="module")
 def declared_draft(tmp_path_factory):
-    from sglang_ext.core.heads import Eagle3Head, HeadConfig
+    from sglang_ext.config import Eagle3DraftConfig
+    from sglang_ext.core.heads import Eagle3Head
 
     d = str(tmp_path_factory.mktemp("draft"))
-    cfg = HeadConfig(head_format="mha", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+    cfg = Eagle3DraftConfig(head_format="mha", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                      vocab_size=100, target_hidden_size=64, aux_layer_ids=[1, 29, 60], aux_layer_convention="output")
     Eagle3Head(cfg).save_pretrained(d)  # a complete head: the server checks names and shapes at startup
     return d

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from conftest import write_head
-from sglang_ext.conventions import ConfigError
+from sglang_ext.errors import ConfigError
 from sglang_ext.core.accounting import AcceptanceStats, apply_stop_truncation, stop_truncation
 from sglang_ext.serving import acceptance
 
@@ -133,48 +133,79 @@ def test_mla_head_architectures_resolve_to_our_class_and_mla_shapes(tmp_path):
     code = ARCH.replace("json.loads(sys.argv[1])", f"json.loads({json.dumps(json.dumps(heads))})")
     r = _result(run_py(code, SGLANG_PLUGINS="sglang_eagle3_mla"))
     assert r["v2-name"] == [True, 32, "Eagle3MLAHeadForCausalLM", "Eagle3DeepseekV2ForCausalLM"]
-    # a name upstream does not list is still MLA (latent KV pool) and keeps its name in the config
-    assert r["v3-name"] == [True, 32, "Eagle3MLAHeadForCausalLM", "Eagle3DeepseekV3ForCausalLM"]
+    # a name upstream does not list is still MLA (latent KV pool): SGLang reads it under upstream's name
+    assert r["v3-name"] == [True, 32, "Eagle3MLAHeadForCausalLM", "Eagle3DeepseekV2ForCausalLM"]
     assert r["mha"][0] is False and r["mha"][2] == "LlamaForCausalLMEagle3"
 
 
 def test_startup_refuses_a_bad_pair_before_loading(tmp_path, monkeypatch):
-    from sglang_ext.serving.aux_capture import plan_for_target
-
-    target = {"num_hidden_layers": 8, "hidden_size": 64, "vocab_size": 100, "kv_lora_rank": 32,
-              "qk_rope_head_dim": 8, "num_attention_heads": 4}
-    good = write_head(tmp_path / "good", "mha", hidden=64, target_hidden=64, vocab=100, draft_vocab=None,
-                      ids=[1, 3, 5], convention="output")
-    assert plan_for_target(target, "DeepseekV3ForCausalLM", None, good, None).output_ids == (1, 3, 5)
-    bad = write_head(tmp_path / "bad", "mha", hidden=64, target_hidden=64, vocab=128, draft_vocab=None,
-                     ids=[1, 3, 5], convention="output")
-    with pytest.raises(ConfigError) as e:
-        plan_for_target(target, "DeepseekV3ForCausalLM", None, bad, None)
-    assert e.value.field == "draft.vocab_size" and "100" in e.value.problem
-    monkeypatch.setenv("SGLANG_EXT_DRAFT_KV_CACHE_DTYPE", "fp4")
-    with pytest.raises(ConfigError) as e:
-        plan_for_target(target, "DeepseekV3ForCausalLM", None, good, None)
-    assert e.value.field == "SGLANG_EXT_DRAFT_KV_CACHE_DTYPE"
-    monkeypatch.delenv("SGLANG_EXT_DRAFT_KV_CACHE_DTYPE")
-    # on the Triton backend, a latent its MLA decode kernel cannot tile is refused here, not in graph capture
-    import sglang_ext.serving.aux_capture as ac
-
-    monkeypatch.setattr(ac, "decode_backends", lambda: ("triton", "triton"))
-    with pytest.raises(ConfigError) as e:
-        plan_for_target(target, "DeepseekV3ForCausalLM", None, good, None)
-    assert e.value.field == "target.kv_lora_rank" and "Triton" in e.value.problem
-    monkeypatch.setattr(ac, "decode_backends", lambda: ("flashinfer", "flashinfer"))
-    assert plan_for_target(target, "DeepseekV3ForCausalLM", None, good, None).output_ids == (1, 3, 5)
-    # a TP size the head counts cannot split (target 4 heads, draft 2): named at startup, not a bare assert
+    """The startup check (ServerArgs.__post_init__, before any model is built) refuses the pair, the option values
+    and the backend combinations a server would fail on later -- each with field, value and fix."""
     from types import SimpleNamespace
 
-    monkeypatch.setattr(ac, "server_args", lambda: SimpleNamespace(tp_size=4))
-    with pytest.raises(ConfigError) as e:
-        plan_for_target(target, "DeepseekV3ForCausalLM", None, good, None)
-    assert e.value.field == "--tp-size" and "draft's 2 attention heads" in e.value.problem
+    from conftest import write_model_dir
+    from sglang_ext.serving import startup
+
+    monkeypatch.setattr(startup.hooks, "missing_symbols", lambda s: [])  # no SGLang patched in this process
+    target = write_model_dir(tmp_path / "t", {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8,
+                                              "hidden_size": 64, "vocab_size": 100, "kv_lora_rank": 32,
+                                              "qk_rope_head_dim": 8, "num_attention_heads": 4})
+    good = write_head(tmp_path / "good", "mha", hidden=64, target_hidden=64, vocab=100, draft_vocab=None,
+                      ids=[1, 3, 5], convention="output")
+
+    def args(draft, **kw):
+        return SimpleNamespace(**{"speculative_algorithm": "EAGLE3", "model_path": target, "tp_size": 1,
+                                  "speculative_draft_model_path": draft, "attention_backend": None,
+                                  "speculative_eagle_topk": 1, **kw})
+
+    def refusal(a):
+        with pytest.raises(ConfigError) as e:
+            startup.validate(a)
+        return e.value
+
+    startup.validate(args(good))
+    bad = write_head(tmp_path / "bad", "mha", hidden=64, target_hidden=64, vocab=128, draft_vocab=None,
+                     ids=[1, 3, 5], convention="output")
+    e = refusal(args(bad))
+    assert e.field == "draft.vocab_size" and "100" in e.problem
+    monkeypatch.setenv("SGLANG_EXT_DRAFT_KV_CACHE_DTYPE", "fp4")
+    e = refusal(args(good))
+    assert e.field == "--speculative-draft-kv-cache-dtype (SGLANG_EXT_DRAFT_KV_CACHE_DTYPE)" and "fp8_e4m3" in e.fix
+    monkeypatch.delenv("SGLANG_EXT_DRAFT_KV_CACHE_DTYPE")
+    # out-of-range aux layers from the operator's option
+    monkeypatch.setenv("SGLANG_EXT_EAGLE3_AUX_LAYERS", "1,3,8")
+    assert "out of range" in refusal(args(good)).problem
+    monkeypatch.delenv("SGLANG_EXT_EAGLE3_AUX_LAYERS")
+    # on the Triton backend, a latent its MLA decode kernel cannot tile is refused here, not in graph capture
+    e = refusal(args(good, attention_backend="triton"))
+    assert e.field == "target.kv_lora_rank" and "Triton" in e.problem
+    startup.validate(args(good, attention_backend="flashinfer"))
+    # draft trees on FlashInfer under an MLA target: refused (wrong answers measured on an H200), with the way out
+    e = refusal(args(good, attention_backend="flashinfer", speculative_eagle_topk=4))
+    assert e.field == "--speculative-eagle-topk" and "flashinfer" in e.problem and "fa3" in e.fix
+    startup.validate(args(good, attention_backend="fa3", speculative_eagle_topk=4))
+    # a TP size the head counts cannot split (target 4 heads, draft 2): named at startup, not a bare assert
+    e = refusal(args(good, tp_size=4))
+    assert e.field == "--tp-size" and "draft's 2 attention heads" in e.problem
     # with DP attention the attention splits over tp / dp = 2 ranks: accepted
-    monkeypatch.setattr(ac, "server_args", lambda: SimpleNamespace(tp_size=4, enable_dp_attention=True, dp_size=2))
-    assert plan_for_target(target, "DeepseekV3ForCausalLM", None, good, None).output_ids == (1, 3, 5)
+    startup.validate(args(good, tp_size=4, enable_dp_attention=True, dp_size=2))
+    # a draft not readable yet (a hub id not in the cache): the capture hook checks it at target load
+    startup.validate(args("no-such-org/no-such-draft"))
+
+
+def test_startup_names_a_hook_sglang_could_not_apply(monkeypatch):
+    """SGLang logs and skips a hook target it cannot resolve; the plugin refuses to start instead, naming the SGLang
+    release, the symbol and the feature that would silently be off."""
+    from sglang_ext import settings
+    from sglang_ext.serving import hooks
+
+    gone = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
+    errors = hooks.missing_symbols(settings.Settings(), is_applied=lambda target: target != gone)
+    assert len(errors) == 1 and errors[0].field == "sglang" and gone in errors[0].problem
+    assert "acceptance counters" in errors[0].problem and "0.5.17" in errors[0].fix
+    # opt-in hooks count only where their option asks for them
+    assert not hooks.missing_symbols(settings.Settings(), is_applied=lambda t: "adaptive" not in t)
+    assert hooks.missing_symbols(settings.Settings(adaptive_policy="cost"), is_applied=lambda t: "adaptive" not in t)
 
 
 ADAPTIVE = """

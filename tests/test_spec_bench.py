@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from eval import spec_bench as sb
-from sglang_ext.conventions import parse_draft, parse_target
-from sglang_ext.draft_schema import expected_weights, pair_errors
+from sglang_ext.config import Eagle3DraftConfig, TargetConfig, weight_map
+from sglang_ext.config.pair import pair_errors
 
 
 def test_bound_and_cost_ratio_by_hand():
@@ -22,11 +22,11 @@ def test_bound_and_cost_ratio_by_hand():
 
 @pytest.mark.parametrize("fmt", ["mha", "mla"])
 def test_kimi_shaped_heads_pass_the_servers_checks_and_are_about_1b(fmt):
-    target = parse_target(sb.target_config(16))
+    target = TargetConfig.from_dict(sb.target_config(16))
     cfg = sb.head_config(fmt, 16)
-    req, _ = expected_weights(cfg, fmt)
+    req, _ = weight_map(fmt).expected(Eagle3DraftConfig.from_dict(cfg))
     shapes = {k: {"shape": v, "dtype": "BF16"} for k, v in req.items()}
-    assert pair_errors(target, parse_draft(cfg), shapes) == []
+    assert pair_errors(target, Eagle3DraftConfig.from_dict(cfg), shapes) == []
     params = sum(math.prod(v) for v in req.values())
     assert 0.85e9 < params < 1.4e9, params  # "1B-parameter heads" (MLA 0.90B, MHA larger)
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 7, 12]
@@ -143,7 +143,7 @@ def test_trace_summary_counts_overlapping_kernels_once(tmp_path):
 
 
 def test_upstream_copy_reads_the_same_layers_under_both_engines(tmp_path):
-    from sglang_ext.conventions import engine_output_ids
+    from sglang_ext.config.aux_layers import engine_output_ids
 
     src = tmp_path / "h"
     src.mkdir()
@@ -152,10 +152,10 @@ def test_upstream_copy_reads_the_same_layers_under_both_engines(tmp_path):
     sb.upstream_copy(str(src), str(tmp_path / "u"))
     copy = json.load(open(tmp_path / "u" / "config.json"))
     assert "aux_layer_convention" not in copy["eagle_config"]
-    target = parse_target(sb.target_config(16))
-    ours = engine_output_ids("sglang-ext", target, parse_draft(cfg))
-    assert engine_output_ids("sglang", target, parse_draft(copy)) == ours == [1, 7, 12]
-    assert engine_output_ids("sglang-ext", target, parse_draft(copy)) == ours
+    target = TargetConfig.from_dict(sb.target_config(16))
+    ours = engine_output_ids("sglang-ext", target, Eagle3DraftConfig.from_dict(cfg))
+    assert engine_output_ids("sglang", target, Eagle3DraftConfig.from_dict(copy)) == ours == [1, 7, 12]
+    assert engine_output_ids("sglang-ext", target, Eagle3DraftConfig.from_dict(copy)) == ours
 
 
 def test_all_retries_failed_arms_and_redoes_on_request():
@@ -257,3 +257,57 @@ def test_bench_says_when_the_server_is_not_there(capsys):
 
     assert bench.main(["--base-url", "http://127.0.0.1:9", "--tokenizer", "smollm2"]) == 2
     assert "cannot reach the server at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_side_by_side_arms_are_measured_in_rotating_order_on_their_own_servers(monkeypatch):
+    """`compare`: every arm's server starts at once (each on its own port, its KV pool capped), each round measures
+    every arm once with the order rotated, an arm whose server dies mid-run is dropped while the others go on, and
+    no --attention-backend is passed unless asked (SGLang's own choice)."""
+    import eval.bench
+
+    started, order = [], []
+
+    class FakeServer:
+        def __init__(self, name, args, env, port_number=None):
+            self.url, self.args = f"http://x:{port_number}", args
+            started.append((name, port_number, args))
+
+        def wait_ready(self, timeout):
+            self.ready_s = 1.0
+            return True
+
+        def log(self):
+            return "[sglang_ext] draft KV pool allocated: 100 tokens, 0.5 GiB, 4096 B/token (bf16)"
+
+        def last_error(self):
+            return ""
+
+        def stop(self):
+            pass
+
+    speed = {"30277": 100.0, "30278": 110.0, "30279": 90.0}
+
+    def fake_measure(url, prompts, concurrency, lengths):
+        port = url.rsplit(":", 1)[1]
+        if lengths[0] == 64:  # a timed pass
+            order.append(port)
+            if port == "30279" and len(order) > 3:
+                raise ConnectionError("server died")
+        return {"output_tokens_per_s": speed[port], "tpot_mean_s": 0.01, "accepted_drafts_per_step": 2.0,
+                "wall_s": 0.1}
+
+    monkeypatch.setattr(sb, "prompts", lambda n, input_len, seed=0: ["p"] * n)
+    monkeypatch.setattr(eval.bench, "run_arm", fake_measure)
+    monkeypatch.setattr(sb, "serverlib", lambda: type("L", (), {"Server": FakeServer, "tp_args": lambda tp: []}))
+    rows = sb.compare_arms(["upstream-mla-chain", "plugin-mla-chain", "nospec"], [1], repeats=3, input_len=8,
+                           output_len=64, max_bs=64, mem_fraction=0.9, port=30277, max_total_tokens=131072)
+    assert [p for _, p, _ in started] == [30277, 30278, 30279]
+    assert all("--attention-backend" not in a and a[a.index("--max-total-tokens") + 1] == "131072"
+               for _, _, a in started)
+    # rounds A B C, then B C A (C dies on its second run: dropped), then A B
+    assert order == ["30277", "30278", "30279", "30278", "30279", "30277", "30277", "30278"]
+    assert [r["output_tokens_per_s"] for r in rows["plugin-mla-chain"]["levels"]["1"]] == [110.0] * 3
+    assert len(rows["upstream-mla-chain"]["levels"]["1"]) == 3 and "error" not in rows["upstream-mla-chain"]
+    assert "server died" in rows["nospec"]["error"] and len(rows["nospec"]["levels"]["1"]) == 1
+    assert rows["plugin-mla-chain"]["pool"]["draft_bytes_per_token"] == 4096
+    assert rows["nospec"]["side_by_side"] == ["upstream-mla-chain", "plugin-mla-chain", "nospec"]

@@ -69,15 +69,16 @@ def timed(step, device) -> tuple[float, float]:
 
 def ours(shape, seq, ttt, device, fused_attention: bool | None = None):
     """Our training step (and its warm-up run once)."""
-    from sglang_ext.core.heads import Eagle3Head, HeadConfig
+    from sglang_ext.config import Eagle3DraftConfig
+    from sglang_ext.core.heads import Eagle3Head
     from training.features import Features
     from training.trainer import resident_on_device, ttt_loss
 
     ids, mask, aux, last, lm_head, hot = inputs(shape, seq, device)
-    cfg = HeadConfig(head_format="mha", hidden_size=shape["hidden"], intermediate_size=shape["inter"],
-                     num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-                     head_dim=shape["head_dim"], vocab_size=shape["vocab"], target_hidden_size=shape["hidden"],
-                     draft_vocab_size=shape["draft_vocab"])
+    cfg = Eagle3DraftConfig(head_format="mha", hidden_size=shape["hidden"], intermediate_size=shape["inter"],
+                            num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                            head_dim=shape["head_dim"], vocab_size=shape["vocab"], target_hidden_size=shape["hidden"],
+                            draft_vocab_size=shape["draft_vocab"])
     head = Eagle3Head(cfg)
     head.set_vocab_mapping(hot)
     head.embed_tokens.weight.requires_grad_(False)

@@ -149,7 +149,7 @@ def read_request(root: str, rid: str, input_ids: list[int], keep: bool = False) 
     if at != len(input_ids):
         raise RuntimeError(
             f"feature server: request {rid} has hidden states for tokens [0, {at}) of {len(input_ids)} in {where} "
-            f"(chunks {names}); is the server started with SGLANG_EXT_FEATURE_DIR={root} and --disable-radix-cache, "
+            f"(chunks {names}); is the server started with --eagle3-feature-dir {root} and --disable-radix-cache, "
             "and is that directory the same one on both sides?")
     if not keep:
         shutil.rmtree(where, ignore_errors=True)
@@ -162,7 +162,7 @@ class ServerFeatureExtractor:
 
     def __init__(self, base_url: str, tokenizer, feature_dir: str, max_tokens: int = 2048, reasoning: str = "drop",
                  dtype=torch.bfloat16, concurrency: int = 16, retries: int = 3, timeout: float = 600,
-                 aux_width: int | None = None):
+                 aux_width: int | None = None, aux_output_ids: list[int] | None = None):
         from sglang_ext.http_client import post_json
 
         self.url = base_url.rstrip("/") + "/generate"
@@ -171,6 +171,26 @@ class ServerFeatureExtractor:
         self.max_tokens, self.reasoning, self.dtype = max_tokens, reasoning, dtype
         self.concurrency, self._post = concurrency, lambda payload: post_json(self.url, payload, retries, timeout)
         self.aux_width = aux_width  # layers x hidden the trainer expects
+        self.aux_output_ids = aux_output_ids  # the layers it expects: checked against the server's recorded plan
+        self._plan_checked = False
+
+    def check_server_layers(self) -> None:
+        """The layers the feature server captures (its plan, written at load: serving/feature_capture.py) must be
+        the trainer's; a server that recorded none is checked by width only."""
+        from sglang_ext.config import AuxLayerPlan
+        from sglang_ext.serving.feature_capture import PLAN_FILE
+
+        path = os.path.join(self.feature_dir, PLAN_FILE)
+        if self.aux_output_ids is None or not os.path.exists(path):
+            return
+        with open(path) as f:
+            served = AuxLayerPlan.from_dict(json.load(f))
+        mine = AuxLayerPlan(tuple(self.aux_output_ids), "the trainer's aux layers", "output", None)
+        mine.require_same_layers(served, path,
+                                   f"start the feature server with --speculative-eagle3-aux-layers "
+                                   f"{','.join(map(str, self.aux_output_ids))}, or give the trainer --aux-layers "
+                                   f"{','.join(map(str, served.output_ids))}")
+        self._plan_checked = True
 
     def __call__(self, conv: Conversation) -> Features | None:
         return self.many([conv])[0]
@@ -185,12 +205,15 @@ class ServerFeatureExtractor:
         if self.aux_width is not None and aux.shape[1] != self.aux_width:
             raise RuntimeError(
                 f"feature server: aux width {aux.shape[1]} = {aux.shape[1] // last.shape[1]} layers x {last.shape[1]}, "
-                f"the trainer expects {self.aux_width}; give the server SGLANG_EXT_EAGLE3_AUX_LAYERS with the "
-                "trainer's --aux-layers (its startup log names the layers it captures)")
+                f"the trainer expects {self.aux_width}; give the server --speculative-eagle3-aux-layers (or "
+                "SGLANG_EXT_EAGLE3_AUX_LAYERS) with the trainer's --aux-layers (its startup log names the layers it "
+                "captures)")
         return Features(torch.tensor(r.input_ids), torch.tensor(r.loss_mask, dtype=torch.uint8), aux.to(self.dtype),
                         last.to(self.dtype))
 
     def many(self, convs: list[Conversation], batch_tokens: int | None = None) -> list[Features | None]:
+        if not self._plan_checked:
+            self.check_server_layers()
         rendered, todo = rendered_trainable(self.tok, convs, self.reasoning, self.max_tokens)
         self.last_turn_only += last_turn_only(convs, rendered, todo)
         out: list[Features | None] = [None] * len(convs)

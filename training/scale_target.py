@@ -455,7 +455,7 @@ def main(argv=None) -> int:
         old = widen_kv_latent(args.widen, args.kv_lora_rank)
         print(f"[scale-target] {args.widen}: kv_lora_rank {old} -> {args.kv_lora_rank} (same function)")
         return 0
-    from sglang_ext.draft_schema import triton_mla_errors
+    from sglang_ext.config.pair import triton_mla_errors
 
     for e in triton_mla_errors("--kv-lora-rank", {"kv_lora_rank": args.kv_lora_rank, "qk_rope_head_dim": ROPE}):
         ap.error(str(e))  # a target SGLang's Triton MLA kernel cannot decode is no scale target

@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from sglang_ext.conventions import default_output_ids
+from sglang_ext.config import AuxLayerPlan, TargetConfig, resolve
+from sglang_ext.config.aux_layers import parse_override, validate_output_ids
 from sglang_ext.core.accounting import accepted_drafts_per_step_se
 from sglang_ext.core.capture import text_config_of
 from sglang_ext.core.decoder import ReferenceDecoder
@@ -242,6 +243,14 @@ def parse_args(argv=None):
     if args.features_server and not args.features_dir:
         ap.error("--features-server needs --features-dir: the directory the server writes to "
                  "(its SGLANG_EXT_FEATURE_DIR), as this process sees it")
+    if args.aux_layers:  # malformed, unsorted or repeated ids: refused now, not at server start after training
+        try:
+            ids = parse_override(args.aux_layers, "--aux-layers")
+        except ValueError as e:
+            ap.error(str(e))
+        problems = [e for e in validate_output_ids(ids, 1 << 30, "--aux-layers", args.aux_layers)]
+        if problems:
+            ap.error(str(problems[0]))
     return args
 
 
@@ -264,9 +273,15 @@ def prompts_unlike_report(prompts: list[list[int]], per_prompt: list[dict]) -> l
             if "prompt_sha256" in r and r["prompt_sha256"] != prompt_digest(p)]
 
 
-def aux_layer_ids(args, n_layers: int) -> list[int]:
-    """--aux-layers, else the convention's default for the target's depth."""
-    return [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else default_output_ids(n_layers)
+def aux_layer_plan(args, target_config) -> AuxLayerPlan:
+    """The layers the head reads: --aux-layers (output ids), else the default for the target's depth -- resolved and
+    checked by the one resolver the server uses, before any regeneration or capture."""
+    cfg = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
+    return resolve(TargetConfig.from_dict(cfg), None, args.aux_layers or None)
+
+
+def aux_layer_ids(args, target_config) -> list[int]:
+    return list(aux_layer_plan(args, target_config).output_ids)
 
 
 FIT_ATTENTION_AUTO_STEPS = 300
@@ -317,10 +332,11 @@ def acceptance_estimate(target, head, prompts, steps, max_new_tokens, eos) -> di
 def parse_head_overrides(items: list[str]) -> dict:
     import dataclasses
 
-    from sglang_ext.conventions import ConfigError
-    from sglang_ext.core.heads import HeadConfig
+    from sglang_ext.config import Eagle3DraftConfig
+    from sglang_ext.errors import ConfigError
 
-    fields = {f.name for f in dataclasses.fields(HeadConfig)} - {"head_format", "extra", "aux_layer_ids"}
+    fields = {f.name for f in dataclasses.fields(Eagle3DraftConfig)} - {
+        "head_format", "extra", "raw", "aux_layer_ids", "aux_ids_source", "vllm_layer_ids", "architecture"}
     out = {}
     for item in items or []:
         key, sep, raw = item.partition("=")
@@ -443,14 +459,13 @@ def main(argv=None) -> int:
 
         config = AutoConfig.from_pretrained(args.target)
         n_layers = (getattr(config, "text_config", None) or config).num_hidden_layers
-        layer = init_layer_index(args.init_layer, aux_layer_ids(args, n_layers), n_layers)
+        layer = init_layer_index(args.init_layer, aux_layer_ids(args, config), n_layers)
         target = load_target_weights(args.target, layer=layer, dtype=dtype, device=device)
         print(f"[train-draft] target weights read: {len(target._sglang_ext_weights_only)} tensors "
               "(embedding, lm_head, final norm, the init layer's attention / dense MLP / norms)")
     else:
         target = load_target(args.target, dtype=dtype, device=device)
-    n_layers = text_config_of(target).num_hidden_layers
-    aux_ids = aux_layer_ids(args, n_layers)
+    aux_ids = aux_layer_ids(args, target.config)
     feat_dir = os.path.join(args.work, "features")
     if rank == 0:
         records, records_held = prepare_features(args, tok, target, aux_ids, device, feat_dir, convs)
@@ -557,7 +572,8 @@ def prepare_features(args, tok, target, aux_ids, device, feat_dir, convs):
     if args.features_server:  # the target's own SGLang server (tensor parallel) computes them
         extractor = ServerFeatureExtractor(args.features_server, tok, args.features_dir, max_tokens=args.max_tokens,
                                            reasoning=args.reasoning, dtype=feature_dtype,
-                                           aux_width=len(aux_ids) * text_config_of(target).hidden_size)
+                                           aux_width=len(aux_ids) * text_config_of(target).hidden_size,
+                                           aux_output_ids=aux_ids)
     else:
         extractor = FeatureExtractor(target, tok, aux_ids, max_tokens=args.max_tokens, reasoning=args.reasoning,
                                      dtype=feature_dtype)

@@ -1,7 +1,7 @@
 """Aux hidden-state capture from any transformers causal LM, by forward hooks on its decoder
 layers (Llama, DeepseekV3ForCausalLM, and VL wrappers whose text model is nested, e.g. Kimi-K2.5).
 
-Layer ids are physical output ids (sglang_ext.conventions): the hook on decoder layer j records
+Layer ids are physical output ids (sglang_ext.config.aux_layers): the hook on decoder layer j records
 its output, i.e. the residual stream after layer j -- what SGLang captures as the input of layer
 j + 1, and for the last layer the pre-final-norm state.
 """

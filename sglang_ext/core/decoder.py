@@ -17,9 +17,9 @@ from typing import Sequence
 
 import torch
 
-from sglang_ext.conventions import architecture_of, default_output_ids, target_family, to_output_ids
+from sglang_ext.config import TargetConfig, resolve
 from sglang_ext.core.accounting import AcceptanceStats
-from sglang_ext.core.capture import AuxCapture, text_config_of
+from sglang_ext.core.capture import AuxCapture
 from sglang_ext.core.drafting import propose, tree_attention_mask
 from sglang_ext.core.heads import Eagle3Head
 from sglang_ext.core.layers import KVCache
@@ -35,13 +35,9 @@ class Generation:
 
 
 def head_aux_output_ids(head: Eagle3Head, target) -> list[int]:
-    """The physical target layers a head reads, by the project's convention module."""
-    cfg, text = head.config, text_config_of(target)
-    if cfg.aux_layer_ids is None:
-        return default_output_ids(text.num_hidden_layers)
-    arch = architecture_of(target.config.to_dict())
-    return to_output_ids(cfg.aux_layer_ids, cfg.aux_layer_convention or "sglang", target_family(arch),
-                         text.num_hidden_layers)
+    """The physical target layers a head reads: what the server captures for this pair (config.aux_layers.resolve,
+    the one resolver), refused with field, value and fix when it cannot serve them."""
+    return list(resolve(TargetConfig.from_dict(target.config.to_dict()), head.config).output_ids)
 
 
 class ReferenceDecoder:

@@ -21,153 +21,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 from torch import nn
 
-from sglang_ext.conventions import (
-    CONVENTION_ALIASES,
-    CONVENTION_FIELD,
-    LAYER_IDS_FIELD,
-    ConfigError,
-    from_output_ids,
-    parse_draft,
-    to_output_ids,
-)
-from sglang_ext.core.layers import MLP, KVCache, RMSNorm, RotaryEmbedding, attention, rope_parameters
+from sglang_ext.config.draft import Eagle3DraftConfig
+from sglang_ext.config.weights import weight_map
+from sglang_ext.core.layers import MLP, KVCache, RMSNorm, RotaryEmbedding, attention
 from sglang_ext.core.ttt_attention import TTTCache
-
-MHA_ARCH = "LlamaForCausalLMEagle3"
-MLA_ARCH = "Eagle3DeepseekV2ForCausalLM"
-
-
-@dataclasses.dataclass
-class HeadConfig:
-    head_format: str  # "mha" | "mla"
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    vocab_size: int
-    target_hidden_size: int
-    num_aux: int = 3
-    aux_layer_ids: list[int] | None = None  # output ids (our convention) when we write the config
-    draft_vocab_size: int | None = None  # None: full target vocabulary, no d2t
-    num_key_value_heads: int | None = None  # MHA
-    head_dim: int | None = None  # MHA
-    q_lora_rank: int | None = None  # MLA; None: plain q_proj
-    kv_lora_rank: int | None = None
-    qk_nope_head_dim: int | None = None
-    qk_rope_head_dim: int | None = None
-    v_head_dim: int | None = None
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 4096
-    fc_norm: bool = False  # EAGLE-3.1: RMSNorm each aux chunk before fc
-    norm_before_fc: bool = False  # MHA: one RMSNorm over the concatenated aux states
-    norm_output: bool = False  # EAGLE-3.1: the next step reads norm(out)
-    tie_word_embeddings: bool = False
-    hidden_act: str = "silu"
-    aux_layer_convention: str | None = "output"
-    extra: dict = dataclasses.field(default_factory=dict)  # other fields, kept on save
-
-    def __post_init__(self):
-        # refused when the config is made (before any training), not at export: no loader serves these
-        if self.tie_word_embeddings and self.draft_vocab < self.vocab_size:
-            raise ConfigError("tie_word_embeddings", True,
-                              f"a tied head's lm_head is the target's embedding (all {self.vocab_size} rows), which "
-                              f"a draft vocabulary of {self.draft_vocab} cannot index; SGLang would drop the trained "
-                              "lm_head", "leave tie_word_embeddings false (the default)")
-        if self.norm_before_fc and self.head_format == "mla":
-            raise ConfigError("norm_before_fc", True, "no MLA Eagle3 loader (SGLang 0.5.17's "
-                              "Eagle3DeepseekV2ForCausalLM, vLLM's deepseek_eagle3) has the input norm; it would be "
-                              "skipped at load", "use fc_norm (a norm per aux state, which they read) or an MHA head")
-
-    @property
-    def architecture(self) -> str:
-        return MHA_ARCH if self.head_format == "mha" else MLA_ARCH
-
-    @property
-    def draft_vocab(self) -> int:
-        return self.draft_vocab_size or self.vocab_size
-
-    @property
-    def has_vocab_mapping(self) -> bool:
-        return self.draft_vocab < self.vocab_size
-
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any]) -> "HeadConfig":
-        spec = parse_draft(cfg)  # the one schema reader: format, aux ids, declared convention
-        fmt, ids = spec.head_format, spec.aux_layer_ids
-        eagle = cfg.get("eagle_config") or {}
-        num_aux = cfg.get("num_aux_hidden_states") or (len(ids) if ids else 3)
-        theta, scaling = rope_parameters(cfg)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        known = {k: cfg[k] for k in fields if k in cfg and k not in ("head_format", "extra")}
-        known.update(head_format=fmt, num_aux=num_aux, aux_layer_ids=list(ids) if ids else None,
-                     aux_layer_convention=spec.aux_layer_convention, rope_theta=theta, rope_scaling=scaling,
-                     fc_norm=bool(cfg.get("fc_norm") or cfg.get("use_aux_norm", False)),
-                     norm_before_fc=bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))),
-                     target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"])
-        skip = fields | {"architectures", "model_type", "eagle_config", "rope_parameters", "torch_dtype",
-                         "num_aux_hidden_states", "use_aux_norm", "dtype"}
-        known["extra"] = {k: v for k, v in cfg.items() if k not in skip}
-        return cls(**known)
-
-    def to_dict(self) -> dict:
-        """config.json as SGLang 0.5.17 (llama_eagle3.py / kimi_k25_eagle3.py) and vLLM read it."""
-        d = dict(self.extra)
-        d.update(architectures=[self.architecture],
-                 model_type="llama" if self.head_format == "mha" else "deepseek_v3",
-                 hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                 num_attention_heads=self.num_attention_heads, num_hidden_layers=1,
-                 vocab_size=self.vocab_size, draft_vocab_size=self.draft_vocab,
-                 target_hidden_size=self.target_hidden_size, rms_norm_eps=self.rms_norm_eps,
-                 rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-                 max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act,
-                 tie_word_embeddings=self.tie_word_embeddings, torch_dtype="bfloat16",
-                 attention_bias=False, mlp_bias=False)
-        if self.fc_norm:
-            d["fc_norm"] = True
-        if self.norm_output:
-            d["norm_output"] = True
-        if self.head_format == "mha":
-            d.update(num_key_value_heads=self.num_key_value_heads or self.num_attention_heads,
-                     head_dim=self.head_dim or self.hidden_size // self.num_attention_heads)
-        else:
-            d.update(num_key_value_heads=self.num_attention_heads, q_lora_rank=self.q_lora_rank,
-                     kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
-                     qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim)
-            # DeepSeek config fields SGLang reads even for a dense one-layer draft (no None values:
-            # transformers 5 validates DeepseekV3Config fields strictly)
-            for k, v in dict(first_k_dense_replace=1, moe_layer_freq=1, num_nextn_predict_layers=0,
-                             moe_intermediate_size=self.intermediate_size).items():
-                d.setdefault(k, v)
-        eagle = {"use_aux_hidden_state": True}
-        if self.aux_layer_convention:  # a loaded undeclared config stays undeclared (read upstream's way)
-            eagle[CONVENTION_FIELD] = self.aux_layer_convention
-        if self.aux_layer_ids is not None:
-            eagle[LAYER_IDS_FIELD] = list(self.aux_layer_ids)
-        if self.norm_before_fc:
-            eagle["norm_before_fc"] = True
-        d["eagle_config"] = eagle
-        conv = CONVENTION_ALIASES.get(str(self.aux_layer_convention).lower()) if self.aux_layer_convention else None
-        if self.aux_layer_ids is not None and conv in ("output", "input"):
-            # vLLM's field: it reads the top-level key (not eagle_config's), as input ids (docs/conventions.md)
-            d[LAYER_IDS_FIELD] = from_output_ids(to_output_ids(self.aux_layer_ids, conv), "input")
-        return d
+from sglang_ext.errors import ConfigError
 
 
 def head_config_for(target_config, head_format: str, aux_layer_ids, draft_vocab_size=None,
-                    **overrides) -> HeadConfig:
+                    **overrides) -> Eagle3DraftConfig:
     """A head config sized like the target: MHA with the target's width and head layout, MLA with
     its MLA dimensions (DeepSeek-like small ones under an MHA target); `overrides` win."""
     t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     hidden = t.hidden_size
     cfg = dict(head_format=head_format, hidden_size=hidden, intermediate_size=t.intermediate_size,
                num_attention_heads=t.num_attention_heads, vocab_size=t.vocab_size, target_hidden_size=hidden,
-               num_aux=len(aux_layer_ids), aux_layer_ids=list(aux_layer_ids), draft_vocab_size=draft_vocab_size,
+               num_aux=len(aux_layer_ids), aux_layer_ids=tuple(aux_layer_ids), draft_vocab_size=draft_vocab_size,
                rms_norm_eps=t.rms_norm_eps, max_position_embeddings=t.max_position_embeddings)
     rope = getattr(t, "rope_parameters", None) or {}
     cfg["rope_theta"] = float(rope.get("rope_theta", getattr(t, "rope_theta", 10000.0)))
@@ -183,14 +57,15 @@ def head_config_for(target_config, head_format: str, aux_layer_ids, draft_vocab_
         if cfg["kv_lora_rank"] is None:  # MLA head under an MHA target: DeepSeek-like small dims
             cfg.update(q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
     cfg.update(overrides)
-    return HeadConfig(**cfg)
-
+    if cfg.get("aux_layer_ids") is not None:
+        cfg["aux_layer_ids"] = tuple(cfg["aux_layer_ids"])
+    return Eagle3DraftConfig(**cfg)
 
 
 class MHAAttention(nn.Module):
     """Llama attention over the 2*hidden input, grouped-query, NeoX RoPE."""
 
-    def __init__(self, cfg: HeadConfig):
+    def __init__(self, cfg: Eagle3DraftConfig):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads or cfg.num_attention_heads
@@ -221,7 +96,7 @@ class MLAAttention(nn.Module):
     compressed kv latent + decoupled RoPE key shared by all heads (interleaved RoPE).
     Computed naively (keys/values expanded per head); SGLang's absorbed kernels compute the same."""
 
-    def __init__(self, cfg: HeadConfig):
+    def __init__(self, cfg: Eagle3DraftConfig):
         super().__init__()
         for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             if getattr(cfg, f) is None:
@@ -262,7 +137,7 @@ class MLAAttention(nn.Module):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    def __init__(self, cfg: HeadConfig):
+    def __init__(self, cfg: Eagle3DraftConfig):
         super().__init__()
         self.self_attn = MHAAttention(cfg) if cfg.head_format == "mha" else MLAAttention(cfg)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
@@ -290,18 +165,18 @@ class Eagle3Head(nn.Module):
     """An Eagle3 draft head. `embed_tokens` is the target's embedding (shared, frozen);
     `lm_head` projects to the draft vocabulary, mapped back to target ids by `d2t`."""
 
-    def __init__(self, cfg: HeadConfig):
+    def __init__(self, cfg: Eagle3DraftConfig):
         super().__init__()
-        if cfg.num_aux * cfg.target_hidden_size == cfg.hidden_size:
-            raise ConfigError("target_hidden_size", cfg.target_hidden_size,
+        if cfg.num_aux * cfg.target_hidden == cfg.hidden_size:
+            raise ConfigError("target_hidden_size", cfg.target_hidden,
                               f"{cfg.num_aux} aux states of this width equal the head's hidden size, so SGLang "
                               "cannot tell aux states from a draft step's hidden state", "change either size")
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        aux_width = cfg.target_hidden_size * cfg.num_aux
+        aux_width = cfg.target_hidden * cfg.num_aux
         self.input_norm = RMSNorm(aux_width, cfg.rms_norm_eps) if cfg.norm_before_fc else None
-        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
+        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
                         if cfg.fc_norm else None)
         self.fc = nn.Linear(aux_width, cfg.hidden_size, bias=False)
         self.layer = Eagle3DecoderLayer(cfg)
@@ -349,38 +224,28 @@ class Eagle3Head(nn.Module):
         self.t2d.zero_().index_fill_(0, ids, True)
 
     # ------------------------------------------------------------------------------ checkpoint
-    LAYER_PREFIX = {"mha": "midlayer.", "mla": "layers.0."}
-
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """Weights under the serving format's names. No embed_tokens when the head is as wide as
+        """Weights under the serving format's names (config.weights). No embed_tokens when the head is as wide as
         the target (SGLang shares the target's); a narrower or wider head ships its own."""
-        prefix = self.LAYER_PREFIX[self.config.head_format]
-        own_embedding = self.config.hidden_size != self.config.target_hidden_size
+        names = weight_map(self.config.head_format)
+        own_embedding = self.config.hidden_size != self.config.target_hidden
         out = {}
         for name, t in self.state_dict().items():
             if name.startswith("embed_tokens.") and not own_embedding:
                 continue
-            if name.startswith("layer."):
-                name = prefix + name[len("layer."):]
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if name in ("d2t", "t2d") and not self.config.has_vocab_mapping:
                 continue
-            out[name] = t
+            out[names.checkpoint(names.from_module(name))] = t
         return out
 
     def load_checkpoint_state(self, tensors: Mapping[str, torch.Tensor], strict: bool = True) -> list[str]:
-        """Load serving-format names (`midlayer.` or `layers.0.`). Returns names it did not use;
-        raises ConfigError listing missing/unexpected names when strict."""
-        mapped = {}
-        for name, t in tensors.items():
-            for p in ("midlayer.", "layers.0.", "model.midlayer.", "model.layers.0."):
-                if name.startswith(p):
-                    name = "layer." + name[len(p):]
-                    break
-            else:
-                name = name[len("model."):] if name.startswith("model.") else name
-            mapped[name] = t
+        """Load a checkpoint's tensors, any layout config.weights reads (``midlayer.`` or ``layers.0.``, with or
+        without ``model.``). Returns names it did not use; raises ConfigError listing missing/unexpected names when
+        strict."""
+        names = weight_map(self.config.head_format)
+        mapped = {names.module(names.canonical(name)): t for name, t in tensors.items()}
         own = self.state_dict()
         # t2d is redundant with d2t (SGLang and vLLM ignore it): rebuilt below when absent
         optional = {"embed_tokens.weight", "t2d"} | ({"lm_head.weight"} if self.config.tie_word_embeddings
@@ -424,8 +289,7 @@ class Eagle3Head(nn.Module):
 
         from sglang_ext import checkpoint
 
-        with open(os.path.join(path, "config.json")) as f:
-            cfg = HeadConfig.from_dict(json.load(f))
+        cfg = Eagle3DraftConfig.load(path)
         head = cls(cfg)
         tensors = {}
         for file in checkpoint.safetensors_files(path):

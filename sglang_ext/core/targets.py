@@ -76,7 +76,7 @@ def load_target_weights(target: str, layer: int | None = None, dtype=torch.float
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from sglang_ext import checkpoint
-    from sglang_ext.conventions import ConfigError
+    from sglang_ext.errors import ConfigError
 
     path, kw = resolve(target)
     if kw:

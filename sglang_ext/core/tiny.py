@@ -10,7 +10,8 @@ import random
 
 import torch
 
-from sglang_ext.core.heads import Eagle3Head, HeadConfig, head_config_for  # noqa: F401 (re-export)
+from sglang_ext.config.draft import Eagle3DraftConfig
+from sglang_ext.core.heads import Eagle3Head, head_config_for  # noqa: F401 (re-export)
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
           "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
@@ -88,7 +89,7 @@ def save_target(model, tokenizer, out_dir: str, dtype=torch.bfloat16) -> str:
     return out_dir
 
 
-def random_head(cfg: HeadConfig, target=None, seed: int = 0, std: float = 0.02) -> Eagle3Head:
+def random_head(cfg: Eagle3DraftConfig, target=None, seed: int = 0, std: float = 0.02) -> Eagle3Head:
     """A random head; embedding (and, without a draft vocab, lm_head rows) taken from `target`."""
     torch.manual_seed(seed)
     head = Eagle3Head(cfg)

@@ -28,6 +28,7 @@ import threading
 
 from sglang_ext.core.accounting import AcceptanceStats, apply_stop_truncation, stop_truncation
 from sglang_ext.serving.context import server_args as _server_args
+from sglang_ext.serving.hooks import Hook
 
 logger = logging.getLogger(__name__)
 
@@ -239,13 +240,15 @@ def spec_metrics_after(result, self, meta_info, recv_obj, i, *args, **kwargs):
     return result
 
 
-AROUND_HOOKS = {
-    "sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram": update_histogram,
-    "sglang.srt.managers.schedule_batch.Req.update_finish_state": update_finish_state,
-}
-AFTER_HOOKS = {
-    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
-    "_resolve_spec_v2_tokens": resolve_spec_tokens_after,
-    "sglang.srt.managers.scheduler.Scheduler.get_internal_state": internal_state_after,
-    "sglang.srt.managers.tokenizer_manager.TokenizerManager._calculate_spec_decoding_metrics": spec_metrics_after,
-}
+HOOKS = (
+    Hook("sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram", "around", update_histogram,
+         feature="acceptance counters (a stop inside an accepted run)"),
+    Hook("sglang.srt.managers.schedule_batch.Req.update_finish_state", "around", update_finish_state,
+         feature="acceptance counters without the bonus token"),
+    Hook("sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
+         "_resolve_spec_v2_tokens", "after", resolve_spec_tokens_after, feature="the decode log line's acceptance"),
+    Hook("sglang.srt.managers.scheduler.Scheduler.get_internal_state", "after", internal_state_after,
+         feature="the acceptance totals in /get_server_info"),
+    Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._calculate_spec_decoding_metrics", "after",
+         spec_metrics_after, feature="the acceptance fields of meta_info"),
+)

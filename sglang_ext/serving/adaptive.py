@@ -1,8 +1,8 @@
 """Speculation that never costs more than it saves: SGLang's --speculative-adaptive with a cost model.
 
 Opt-in: ``--speculative-adaptive`` (SGLang's flag: chain drafting, topk 1) plus
-``SGLANG_EXT_ADAPTIVE_POLICY=cost``. Without the variable none of these hooks is registered and
-SGLang's own acceptance thresholds run unchanged; with it but without ``--speculative-adaptive``
+``--speculative-adaptive-policy cost`` (or ``SGLANG_EXT_ADAPTIVE_POLICY=cost``). Without it none of these hooks is
+registered and SGLang's own acceptance thresholds run unchanged; with it but without ``--speculative-adaptive``
 nothing changes (a warning says so).
 
 Extends (hooks registered by sglang_ext.plugin), SGLang 0.5.17:
@@ -23,34 +23,27 @@ Extends (hooks registered by sglang_ext.plugin), SGLang 0.5.17:
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import os
 import time
 
-from sglang_ext.conventions import env_choice, env_option_set
+from sglang_ext import settings
 from sglang_ext.core.adaptive import CostModelPolicy
+from sglang_ext.serving.hooks import Hook
 
 logger = logging.getLogger(__name__)
 
-POLICY_ENV = "SGLANG_EXT_ADAPTIVE_POLICY"
 DEFAULT_CANDIDATES = [0, 1, 3]
 
 
-OFF_VALUES = ("", "off", "sglang", "upstream")
+def requested(s: settings.Settings) -> bool:
+    """Whether the operator asked for the cost policy (the hooks are registered only then, so servers without it
+    pay nothing per decode step)."""
+    return s.adaptive_policy == "cost"
 
 
-def requested() -> bool:
-    """Whether the operator asked for a policy at all (the plugin registers these hooks only then,
-    so servers without it pay nothing per decode step)."""
-    return env_option_set(POLICY_ENV, OFF_VALUES)
-
-
-@functools.lru_cache(maxsize=1)
 def enabled() -> bool:
-    """The cost policy is on; an unknown value is refused (at startup: warn_if_inert calls this)."""
-    return env_choice(POLICY_ENV, {"cost": True, **{v: False for v in OFF_VALUES}}, "unknown adaptive policy",
-                      "use 'cost' or leave it unset (upstream)")
+    return requested(settings.current())
 
 
 class StepClock:
@@ -163,27 +156,16 @@ def _validated(cfg: dict, original_fn):
         os.unlink(f.name)
 
 
-def warn_if_inert(server_args) -> None:
-    if enabled() and not getattr(server_args, "speculative_adaptive", False):
-        logger.warning("[sglang_ext] %s=cost has no effect without --speculative-adaptive", POLICY_ENV)
-    if enabled():
-        from sglang_ext.serving import decode_depth0
-
-        decode_depth0.mode()  # an unknown SGLANG_EXT_ADAPTIVE_DEPTH0 is refused at startup, not at depth 0
-        decode_depth0.extend_mode()  # and so is an unknown SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND
-
-
-AROUND_HOOKS = {
-    "sglang.srt.speculative.adaptive_spec_params.AdaptiveStepSlot.update": slot_update,
-    "sglang.srt.speculative.adaptive_spec_params._load_adaptive_config": load_adaptive_config,
-}
-BEFORE_HOOKS = {
-    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
-    "_resolve_spec_v2_tokens": resolve_spec_tokens_before,
-}
-AFTER_HOOKS = {
-    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
-    "process_batch_result_prefill": other_batch_after,
-    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
-    "process_batch_result_idle": other_batch_after,
-}
+BATCH_RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+HOOKS = (
+    Hook("sglang.srt.speculative.adaptive_spec_params.AdaptiveStepSlot.update", "around", slot_update,
+         when=requested, feature="the cost policy's depth decisions"),
+    Hook("sglang.srt.speculative.adaptive_spec_params._load_adaptive_config", "around", load_adaptive_config,
+         when=requested, feature="the cost policy's depth candidates"),
+    Hook(f"{BATCH_RESULTS}._resolve_spec_v2_tokens", "before", resolve_spec_tokens_before, when=requested,
+         feature="the cost policy's step clock"),
+    Hook(f"{BATCH_RESULTS}.process_batch_result_prefill", "after", other_batch_after, when=requested,
+         feature="the cost policy's step clock"),
+    Hook(f"{BATCH_RESULTS}.process_batch_result_idle", "after", other_batch_after, when=requested,
+         feature="the cost policy's step clock"),
+)

@@ -1,6 +1,6 @@
-"""Aux hidden-state capture for Eagle3 under SGLang 0.5.17, following sglang_ext.conventions.
+"""Aux hidden-state capture for Eagle3 under SGLang 0.5.17, by the one aux-layer resolver (sglang_ext.config.aux_layers).
 
-Extends (AROUND hooks, registered by sglang_ext.plugin):
+Extends (AROUND hooks):
   * ``sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture`` -- also
     serves DeepseekV3ForCausalLM / DeepseekV32ForCausalLM (subclasses) and
     KimiK25ForConditionalGeneration (delegates to its DeepseekV3 language model). Upstream shifts
@@ -8,10 +8,10 @@ Extends (AROUND hooks, registered by sglang_ext.plugin):
   * ``sglang.srt.models.llama.LlamaForCausalLM.set_eagle3_layers_to_capture`` -- Llama-family
     targets through the same path.
 
-The replacement reads the draft's config (declared convention, fc width), resolves the physical
-layers, refuses bad input with a ConfigError at startup, sets the model's ``layers_to_capture``,
-and logs one line naming the layers and where they came from. The output of the last layer (which
-SGLang's layer loop never reaches) is captured from the final norm's residual sum.
+The replacement resolves the physical layers from the draft's config (declared convention, fc width) and the
+``--speculative-eagle3-aux-layers`` option, sets the model's ``layers_to_capture`` and logs one line naming the
+layers and where they came from. The pair itself was checked at startup (serving/startup.py). The output of the
+last layer (which SGLang's layer loop never reaches) is captured from the final norm's residual sum.
 """
 
 from __future__ import annotations
@@ -21,63 +21,32 @@ import os
 
 import torch
 
-from sglang_ext import checkpoint
-from sglang_ext.conventions import (
-    OVERRIDE_ENV,
-    AuxLayerPlan,
-    ConfigError,
-    load_json,
-    parse_draft,
-    parse_target,
-    plan_for_ids,
-    to_output_ids,
-)
-
-from sglang_ext.draft_schema import draft_kv_dtype_option, pair_errors, tp_errors, triton_pair_errors
+from sglang_ext import settings
+from sglang_ext.config import TargetConfig, resolve
+from sglang_ext.config.aux_layers import AuxLayerPlan, plan_for_ids, to_output_ids
+from sglang_ext.errors import ConfigError, combined
 from sglang_ext.serving import feature_capture
-from sglang_ext.serving.context import decode_backends, draft_dir, server_args, server_draft_path
+from sglang_ext.serving.context import load_draft, local_dir, server_draft_path
+from sglang_ext.serving.hooks import Hook
 
 logger = logging.getLogger(__name__)
-
-DUMP_DIR_ENV = "SGLANG_EXT_AUX_DUMP_DIR"  # debug: write captured aux states of prefill batches
-DUMP_MAX_ENV = "SGLANG_EXT_AUX_DUMP_MAX"  # how many prefill batches to write (default 4)
-
-HOOK_TARGETS = {
-    "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture": "deepseek",
-    "sglang.srt.models.llama.LlamaForCausalLM.set_eagle3_layers_to_capture": "llama",
-}
 
 
 def plan_for_target(text_config: dict, architecture: str, layer_ids, draft_path: str | None,
                     override: str | None) -> AuxLayerPlan:
-    """Resolve and validate; raise the first ConfigError (all of them are in its message)."""
-    target = parse_target(dict(text_config, architectures=[architecture]))
-    ids, convention, fc_in = layer_ids, None, None  # no readable draft: the ids SGLang passed, its way
-    directory = draft_dir(draft_path)
-    errors = []
-    if directory is not None:
-        draft = parse_draft(load_json(directory))
-        shapes = checkpoint.weight_shapes(directory)
-        ids, convention = draft.aux_layer_ids, draft.aux_layer_convention
-        fc_in = checkpoint.fc_in_features(shapes)
-        errors += pair_errors(target, draft, shapes)  # the whole pair, before any weight is read
-        args = server_args()
-        tp = int(getattr(args, "tp_size", 1) or 1)
-        if getattr(args, "enable_dp_attention", False):  # attention splits over tp / dp ranks
-            tp = max(1, tp // int(getattr(args, "dp_size", 1) or 1))
-        if not errors:  # head counts a TP size cannot split: named here, not a bare assert in a layer later
-            errors += tp_errors(target, draft, tp)
-        target_backend, draft_backend = decode_backends()
-        errors += triton_pair_errors(target, draft, target_backend == "triton", draft_backend == "triton")
-    draft_kv_dtype_option()  # an unknown value is refused here, at target load
-    plan, plan_errors = plan_for_ids(target, ids, convention, override, fc_in)
-    errors += plan_errors
-    if errors:
-        if len(errors) > 1:
-            raise ConfigError(errors[0].field, errors[0].value, errors[0].problem + " (and: " +
-                              "; ".join(str(e) for e in errors[1:]) + ")", errors[0].fix)
-        raise errors[0]
-    return plan
+    """The layers to capture; raises one ConfigError with every problem. Without a readable draft (a hub id SGLang
+    downloads later), the ids SGLang passed, read its way."""
+    target = TargetConfig.from_dict(dict(text_config, architectures=[architecture]))
+    directory = local_dir(draft_path)
+    if directory is None:
+        plan, errors = plan_for_ids(target, layer_ids, None, override)
+        if errors:
+            raise combined(errors)
+        return plan
+    from sglang_ext import checkpoint
+
+    draft, shapes = load_draft(directory)
+    return resolve(target, draft, override, checkpoint.fc_in_features(shapes))
 
 
 def _apply_plan(model, plan: AuxLayerPlan, num_layers: int, family: str) -> None:
@@ -93,7 +62,7 @@ def _apply_plan(model, plan: AuxLayerPlan, num_layers: int, family: str) -> None
     model.capture_aux_hidden_states = True
     inner.layers_to_capture = [k for k in indices if k < num_layers]
     capture_final = num_layers in indices
-    dump_dir = os.environ.get(DUMP_DIR_ENV)
+    dump_dir = settings.current().aux_dump_dir
     feature_dir = feature_capture.directory()
     if capture_final or dump_dir or feature_dir:
         _wrap_forward(inner, capture_final, dump_dir, family, feature_dir)
@@ -119,7 +88,7 @@ def _wrap_forward(inner, capture_final: bool, dump_dir: str | None, family: str,
     original = inner.forward
     inner._sglang_ext_original_forward, inner._sglang_ext_wrapped = original, True
     dumped = [0]
-    dump_max = int(os.environ.get(DUMP_MAX_ENV, "4"))
+    dump_max = settings.current().aux_dump_max
 
     def forward(input_ids, positions, forward_batch, *args, **kwargs):
         stash.clear()
@@ -182,11 +151,7 @@ def make_hook(family: str):
         if family == "deepseek" and arch not in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                                                  "DeepseekV32ForCausalLM"):
             arch = "DeepseekV3ForCausalLM"  # a VL wrapper's text model (Kimi-K2.5) is a DeepseekV3
-        plan = plan_for_target(config, arch, layer_ids, server_draft_path(), os.environ.get(OVERRIDE_ENV))
-        from sglang_ext.serving import adaptive, mla_verify
-
-        adaptive.warn_if_inert(server_args())  # an unknown policy name is refused here, at startup
-        mla_verify.validate()  # so is an unknown SGLANG_EXT_MLA_VERIFY value
+        plan = plan_for_target(config, arch, layer_ids, server_draft_path(), settings.current().aux_layers)
         num_layers = int(config["num_hidden_layers"])
         _apply_plan(self, plan, num_layers, family)
         upstream = None
@@ -201,3 +166,10 @@ def make_hook(family: str):
     set_eagle3_layers_to_capture.__sglang_ext_family__ = family
     return set_eagle3_layers_to_capture
 
+
+HOOKS = (
+    Hook("sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture", "around",
+         make_hook("deepseek"), feature="aux-layer capture (DeepSeek-V2/V3, Kimi-K2.5 targets)"),
+    Hook("sglang.srt.models.llama.LlamaForCausalLM.set_eagle3_layers_to_capture", "around", make_hook("llama"),
+         feature="aux-layer capture (Llama-family targets)"),
+)

@@ -1,5 +1,5 @@
-"""The server's draft, as every adapter reads it: the path from SGLang's global server args,
-resolved to a local directory, parsed once per process by sglang_ext.conventions."""
+"""What every adapter reads of the server it runs in: SGLang's global server args, local model directories, and the
+server's Eagle3 draft (its typed config and safetensors shapes), read once per process."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import functools
 import os
 
 from sglang_ext import checkpoint
-from sglang_ext.conventions import DraftSpec, load_json, parse_draft
+from sglang_ext.config import Eagle3DraftConfig
 
 
-def draft_dir(path: str | None) -> str | None:
-    """A local directory for the draft (a path, or a hub id already in the local cache)."""
+def local_dir(path: str | None) -> str | None:
+    """A local directory for a model (a path, or a hub id already in the local cache); None if neither."""
     if not path:
         return None
     if os.path.isdir(path):
@@ -20,7 +20,7 @@ def draft_dir(path: str | None) -> str | None:
         from huggingface_hub import snapshot_download
 
         return snapshot_download(path, allow_patterns=["config.json", "*.json"], local_files_only=True)
-    except Exception:  # not cached: SGLang downloads it later; adapters fall back to upstream behaviour
+    except Exception:  # noqa: BLE001 -- not cached: SGLang downloads it later; adapters fall back to upstream behaviour
         return None
 
 
@@ -29,7 +29,7 @@ def server_args():
         from sglang.srt.server_args import get_global_server_args
 
         return get_global_server_args()
-    except Exception:  # no server context (a bare model in a test)
+    except Exception:  # noqa: BLE001 -- no server context (a bare model in a test)
         return None
 
 
@@ -48,11 +48,12 @@ def server_draft_path() -> str | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _load(path: str) -> tuple[DraftSpec, dict]:
-    return parse_draft(load_json(path)), checkpoint.weight_shapes(path)
+def load_draft(path: str) -> tuple[Eagle3DraftConfig, dict]:
+    """(config, safetensors shapes) of a draft directory, read once per process."""
+    return Eagle3DraftConfig.load(path, strict=False), checkpoint.weight_shapes(path)
 
 
-def server_draft() -> tuple[DraftSpec, dict] | None:
-    """(DraftSpec, safetensors shapes) of the server's Eagle3 draft, or None if there is none."""
-    path = draft_dir(server_draft_path())
-    return _load(path) if path else None
+def server_draft() -> tuple[Eagle3DraftConfig, dict] | None:
+    """(config, safetensors shapes) of the server's Eagle3 draft, or None if there is none."""
+    path = local_dir(server_draft_path())
+    return load_draft(path) if path else None

@@ -14,7 +14,7 @@ verify returns: one accepted token per request, the sampled token as the next bo
 The draft extend (which keeps the draft's KV and last hidden state current) runs only in the
 ``WARM_LEAD_STEPS`` steps before the policy's next probe; on the other depth-0 steps upstream's stub stands in for
 it. On every depth-0 step it cost 1.2x a plain decode step at 64-128 requests on an H200.
-``SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND``: ``warm`` (that, the default), ``keep`` (every step, as upstream's
+``--speculative-adaptive-depth0-draft-extend``: ``warm`` (that, the default), ``keep`` (every step, as upstream's
 depth 0) or ``skip`` (never; also upstream's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1``, and then no hidden
 state is captured either).
 
@@ -22,40 +22,42 @@ Batches that need what only the verify path does (grammar, logprobs, returned hi
 processors, DP attention, a batch larger than the captured graphs) keep upstream's path; at depth 0 that
 verify then runs eagerly, since depth 0's graphs are decode graphs.
 
-``SGLANG_EXT_ADAPTIVE_DEPTH0``: ``decode`` (the default whenever the cost policy is on) or ``verify``
-(upstream's one-token verify). Extends (registered with the adaptive hooks, sglang_ext.plugin), SGLang 0.5.17:
-  * ``EAGLEWorkerV2.build_adaptive_runtime_state`` (AROUND) -- for depth 0, upstream's own build with
-    ``PlainDecodeGraphRunner`` (a ``DecodeCudaGraphRunner`` pinned to DECODE) as the target's graph runner;
+``--speculative-adaptive-depth0``: ``decode`` (the default whenever the cost policy is on) or ``verify``
+(upstream's one-token verify). Extends (registered with the cost policy's hooks), SGLang 0.5.17:
+  * ``EAGLEWorkerV2.build_adaptive_runtime_state`` (AROUND) -- for depth 0, upstream's own build, during which
+    the target's ``DecodeCudaGraphRunner`` is made a ``PlainDecodeGraphRunner`` (pinned to DECODE);
+  * ``DecodeCudaGraphRunner.__init__`` (AROUND) -- a runner built inside that depth-0 build is one, from its
+    first line (before it captures);
   * ``EAGLEWorkerV2.forward_batch_generation`` (AROUND) -- a decode batch at depth 0 runs ``plain_decode_step``.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 
-from sglang_ext.conventions import env_choice
+from sglang_ext import settings
+from sglang_ext.serving import adaptive
+from sglang_ext.serving.hooks import Hook
 
 logger = logging.getLogger(__name__)
 
-ENV = "SGLANG_EXT_ADAPTIVE_DEPTH0"
+OPTION = settings.BY_ATTR["adaptive_depth0"].flag
 WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
+RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+_BUILDING_DEPTH0 = contextvars.ContextVar("sglang_ext_building_depth0", default=False)
 
 
 def mode() -> str:
-    """'decode' (unset; the default) or 'verify'; anything else is refused with field, value and fix."""
-    return env_choice(ENV, {"": "decode", "decode": "decode", "verify": "verify", "upstream": "verify"},
-                      "unknown depth-0 step", "use 'decode' (the default: a plain decode step) or 'verify' "
-                      "(upstream's one-token verify)")
+    """'decode' (the default) or 'verify'."""
+    return settings.current().adaptive_depth0
 
 
 def enabled() -> bool:
-    from sglang_ext.serving import adaptive
-
     return adaptive.enabled() and mode() == "decode"
 
 
-EXTEND_ENV = "SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND"
 # steps before a probe in which the draft extend runs again (warm mode): the probe then drafts from a current
 # last hidden state and the recent tokens' draft KV
 WARM_LEAD_STEPS = 32
@@ -67,9 +69,7 @@ def extend_mode() -> str:
     and then the draft's KV misses the tokens decoded at depth 0; docs/design.md)."""
     from sglang.srt.environ import envs
 
-    mode_ = env_choice(EXTEND_ENV, {"": "warm", "warm": "warm", "keep": "keep", "skip": "skip"},
-                       "unknown depth-0 draft extend", "use 'warm' (the default: only before a probe), 'keep' "
-                       "(every depth-0 step) or 'skip' (never)")
+    mode_ = settings.current().adaptive_depth0_draft_extend
     return "skip" if envs.SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND.get() else mode_
 
 
@@ -118,7 +118,7 @@ def plain_decode_runner_class():
         def capture(self) -> None:
             if self.captured_req_width != 1:
                 raise RuntimeError(f"[sglang_ext] depth 0 as plain decode: {self.captured_req_width} tokens per "
-                                   f"request (expected 1); set {ENV}=verify and report this")
+                                   f"request (expected 1); start the server with {OPTION} verify and report this")
             self.capture_forward_mode = ForwardMode.DECODE
             self.ragged_verify_mode = False  # a verify-only layout (SGLANG_RAGGED_VERIFY_MODE)
             self.capture_hidden_mode = max(self.capture_hidden_mode, hidden_mode())
@@ -136,19 +136,24 @@ def plain_decode_runner_class():
 def build_runtime_state(original_fn, self, speculative_num_steps, *args, **kwargs):
     if speculative_num_steps != 0 or not enabled():
         return original_fn(self, speculative_num_steps, *args, **kwargs)
-    import sglang.srt.speculative.eagle_worker_v2 as worker_module
-
-    upstream = worker_module.DecodeCudaGraphRunner  # the name upstream's build looks up at call time
-    worker_module.DecodeCudaGraphRunner = plain_decode_runner_class()
+    token = _BUILDING_DEPTH0.set(True)
     try:
         state = original_fn(self, speculative_num_steps, *args, **kwargs)
     finally:
-        worker_module.DecodeCudaGraphRunner = upstream
+        _BUILDING_DEPTH0.reset(token)
     runner = state.target_graph_runner
-    logger.info("[sglang_ext] adaptive depth 0 runs the target as a plain decode step (%s=decode): decode graphs "
-                "for batch sizes %s, hidden states %s", ENV, getattr(runner, "capture_bs", None),
+    logger.info("[sglang_ext] adaptive depth 0 runs the target as a plain decode step (%s decode): decode graphs "
+                "for batch sizes %s, hidden states %s", OPTION, getattr(runner, "capture_bs", None),
                 getattr(getattr(runner, "capture_hidden_mode", None), "name", None))
     return state
+
+
+def runner_init(original_fn, self, *args, **kwargs):
+    """A decode graph runner built for depth 0 is a PlainDecodeGraphRunner from its first line: upstream's
+    ``__init__`` chooses the capture mode and captures, and the subclass's methods must be the ones it calls."""
+    if _BUILDING_DEPTH0.get() and type(self).__name__ == "DecodeCudaGraphRunner":
+        self.__class__ = plain_decode_runner_class()
+    return original_fn(self, *args, **kwargs)
 
 
 def plain_step_applies(worker, batch) -> bool:
@@ -224,7 +229,14 @@ def forward_batch_generation(original_fn, self, batch, *args, **kwargs):
     return plain_decode_step(self, batch, on_publish)
 
 
-AROUND_HOOKS = {
-    f"{WORKER}.build_adaptive_runtime_state": build_runtime_state,
-    f"{WORKER}.forward_batch_generation": forward_batch_generation,
-}
+def _requested(s: settings.Settings) -> bool:
+    return adaptive.requested(s) and s.adaptive_depth0 == "decode"
+
+
+HOOKS = (
+    Hook(f"{WORKER}.build_adaptive_runtime_state", "around", build_runtime_state, when=_requested,
+         feature="depth 0 as a plain decode step"),
+    Hook(f"{RUNNER}.__init__", "around", runner_init, when=_requested, feature="depth 0 as a plain decode step"),
+    Hook(f"{WORKER}.forward_batch_generation", "around", forward_batch_generation, when=_requested,
+         feature="depth 0 as a plain decode step"),
+)

@@ -1,16 +1,16 @@
-"""Draft-training features computed by an SGLang target server (trainer issue, item 4b: targets too big
-for transformers in one process -- Kimi-K2.5, DeepSeek-V3 at TP=8 -- captured by the engine that serves
-them, tensor parallel, prefill only).
+"""Draft-training features computed by an SGLang target server (for targets too big for transformers in one
+process -- Kimi-K2.5, DeepSeek-V3 at TP=8 -- captured by the engine that serves them, tensor parallel, prefill
+only).
 
-Start the target alone with the plugin, ``SGLANG_EXT_FEATURE_DIR=<dir>`` and ``--disable-radix-cache``
+Start the target alone with the plugin, ``--eagle3-feature-dir <dir>`` and ``--disable-radix-cache``
 (a prefix-cache hit would skip the tokens it covers). Every prefill chunk of a request whose rid starts
 with ``RID_PREFIX`` is written by attention-TP rank 0 (the residual stream is whole on every rank) as
 ``<dir>/<rid>/<start>.safetensors``: ``input_ids`` [n], ``aux`` [n, layers x hidden] (the convention's
-layers, as for a draft: ``SGLANG_EXT_EAGLE3_AUX_LAYERS`` or the default ids) and ``last_hidden``
+layers, as for a draft: ``--speculative-eagle3-aux-layers`` or the default ids) and ``last_hidden``
 [n, hidden] (after the final norm: what the lm_head reads), bf16. Other requests are served as usual.
 The client is ``training.features.ServerFeatureExtractor`` (same records as the in-process extractor).
 
-Extends (hooks registered by sglang_ext.plugin only when the variable is set), SGLang 0.5.17:
+Extends (hooks registered only when the option is set), SGLang 0.5.17:
   * ``sglang.srt.model_executor.model_runner.ModelRunner.load_model`` (AFTER) -- on the target's runner:
     refuses a radix cache, then switches aux capture on without speculation through the model's
     ``set_eagle3_layers_to_capture`` (our aux_capture hook: plan, checks, the startup line), before CUDA
@@ -25,16 +25,19 @@ import os
 
 import torch
 
-from sglang_ext.conventions import ConfigError
+from sglang_ext import settings
+from sglang_ext.errors import ConfigError
+from sglang_ext.serving.hooks import Hook
 
 logger = logging.getLogger(__name__)
 
-DIR_ENV = "SGLANG_EXT_FEATURE_DIR"
+OPTION = settings.BY_ATTR["feature_dir"].flag
 RID_PREFIX = "sglang-ext-features-"
+PLAN_FILE = "aux_layer_plan.json"  # the layers this server captures (AuxLayerPlan.to_dict), checked by the trainer
 
 
 def directory() -> str | None:
-    return os.environ.get(DIR_ENV) or None
+    return settings.current().feature_dir
 
 
 def request_dir(root: str, rid: str) -> str:
@@ -90,11 +93,11 @@ def check_server(args) -> None:
     """Refused at startup, with the fix."""
     if args is not None and getattr(args, "speculative_algorithm", None):
         raise ConfigError("--speculative-algorithm", args.speculative_algorithm,
-                          f"a feature server ({DIR_ENV}) serves the target alone: its aux layers are the convention's "
+                          f"a feature server ({OPTION}) serves the target alone: its aux layers are the convention's "
                           "for training, not a draft's", "start it without speculative decoding")
     if args is not None and not getattr(args, "disable_radix_cache", False):
         raise ConfigError("--disable-radix-cache", False,
-                          f"{DIR_ENV} writes every prompt token's hidden states, but a radix-cache hit skips the "
+                          f"{OPTION} writes every prompt token's hidden states, but a radix-cache hit skips the "
                           "tokens it covers", "start the feature server with --disable-radix-cache")
 
 
@@ -105,18 +108,30 @@ def after_load_model(result, self, *args, **kwargs):
     model = self.model
     if not getattr(model, "capture_aux_hidden_states", False):
         if not hasattr(model, "set_eagle3_layers_to_capture"):
-            raise ConfigError(DIR_ENV, directory(), f"{type(model).__name__} cannot capture aux hidden states in "
+            raise ConfigError(OPTION, directory(), f"{type(model).__name__} cannot capture aux hidden states in "
                               "SGLang 0.5.17", "capture features in-process (training.features.FeatureExtractor)")
         model.set_eagle3_layers_to_capture(None)  # our aux_capture hook: default ids or the override
     language = getattr(model, "language_model", None)  # a VL wrapper (Kimi-K2.5) delegates to its text model
     if getattr(model, "_sglang_ext_aux_plan", None) is None and getattr(language, "_sglang_ext_aux_plan", None) is None:
         # upstream's capture alone writes nothing
-        raise ConfigError(DIR_ENV, directory(), f"the plugin captures features for DeepseekV2/V3, Kimi-K2.5 and Llama-"
+        raise ConfigError(OPTION, directory(), f"the plugin captures features for DeepseekV2/V3, Kimi-K2.5 and Llama-"
                           f"family targets, not {type(model).__name__}",
                           "capture features in-process (training.features.FeatureExtractor)")
-    logger.info("[sglang_ext] feature server: prefill chunks of requests named %s* are written to %s",
-                RID_PREFIX, directory())
+    plan = getattr(model, "_sglang_ext_aux_plan", None) or getattr(language, "_sglang_ext_aux_plan", None)
+    from sglang_ext.serving.acceptance import is_reporting_rank
+
+    if is_reporting_rank():
+        import json
+
+        os.makedirs(directory(), exist_ok=True)
+        path = os.path.join(directory(), PLAN_FILE)
+        with open(path + ".part", "w") as f:
+            json.dump(plan.to_dict(), f)
+        os.replace(path + ".part", path)
+    logger.info("[sglang_ext] feature server: prefill chunks of requests named %s* are written to %s (aux layers %s)",
+                RID_PREFIX, directory(), list(plan.output_ids))
     return result
 
 
-AFTER_HOOKS = {"sglang.srt.model_executor.model_runner.ModelRunner.load_model": after_load_model}
+HOOKS = (Hook("sglang.srt.model_executor.model_runner.ModelRunner.load_model", "after", after_load_model,
+              when=lambda s: bool(s.feature_dir), feature="the feature server"),)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from sglang_ext.serving.hooks import Hook
+
 
 def rmsnorm_forward_cuda(original_fn, self, x, residual=None, post_residual_addition=None, *args, **kwargs):
     if x.dtype == torch.float32:
@@ -34,7 +36,9 @@ def invoke_fused_moe_kernel(original_fn, A, *args, **kwargs):
     return original_fn(A, *args, **kwargs)
 
 
-AROUND_HOOKS = {
-    "sglang.srt.layers.layernorm.RMSNorm.forward_cuda": rmsnorm_forward_cuda,
-    "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.invoke_fused_moe_kernel": invoke_fused_moe_kernel,
-}
+HOOKS = (
+    Hook("sglang.srt.layers.layernorm.RMSNorm.forward_cuda", "around", rmsnorm_forward_cuda,
+         feature="fp32 MLA targets (RMSNorm)"),
+    Hook("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.invoke_fused_moe_kernel", "around",
+         invoke_fused_moe_kernel, feature="fp32 MLA targets (fused MoE)"),
+)

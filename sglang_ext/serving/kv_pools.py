@@ -9,10 +9,9 @@ Extends (hooks registered by sglang_ext.plugin):
     (draft_schema.draft_kv_bytes_per_token), and the split is logged.
   * ``...DefaultPoolConfigurator.calculate_pool_sizes`` (AFTER) -- logs tokens and GiB per pool.
   * ``sglang.srt.model_executor.model_runner.ModelRunner.configure_kv_cache_dtype`` (AROUND) -- the
-    draft runner caches in ``SGLANG_EXT_DRAFT_KV_CACHE_DTYPE`` (bf16 | fp8_e4m3; default: the
-    target's). SGLang 0.5.17 has no per-draft KV dtype argument (0.5.23 added one) and no way for a
-    plugin to add a server argument, hence the environment variable. An MLA head shares the
-    target's latent layout and is refused another dtype at startup.
+    draft runner caches in ``--speculative-draft-kv-cache-dtype`` (bf16 | fp8_e4m3; default auto: the
+    target's; SGLang 0.5.18 added a flag of that name). An MLA head shares the target's latent layout and is
+    refused another dtype at startup.
   * ``sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool`` (AFTER) -- logs what
     each pool really allocated, so the arithmetic can be checked against the allocator.
 
@@ -26,15 +25,11 @@ import logging
 
 import torch
 
-from sglang_ext.conventions import ConfigError
-from sglang_ext.draft_schema import (
-    DRAFT_KV_DTYPE_ENV,
-    PoolSplit,
-    draft_kv_bytes_per_token,
-    draft_kv_dtype_option,
-    kv_dtype_errors,
-)
+from sglang_ext import settings
+from sglang_ext.config.kv import DRAFT_KV_DTYPE_FIELD, PoolSplit, draft_kv_bytes_per_token, kv_dtype_errors
+from sglang_ext.errors import ConfigError
 from sglang_ext.serving.context import server_draft
+from sglang_ext.serving.hooks import Hook
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +60,7 @@ def pool_configurator_init(original_fn, self, kvc, *args, **kwargs):
         return
     draft, _ = drafted
     target_dtype = TORCH_KV_DTYPES.get(kvc.kv_cache_dtype)
-    draft_dtype = draft_kv_dtype_option() or target_dtype
+    draft_dtype = settings.current().draft_kv_dtype or target_dtype
     if target_dtype is None or draft_dtype is None:
         logger.warning("[sglang_ext] KV cache dtype %s: draft pool left as upstream sizes it", kvc.kv_cache_dtype)
         return
@@ -90,13 +85,13 @@ def pool_sizes_after(result, self, available_bytes, page_size, *args, **kwargs):
 
 def configure_kv_cache_dtype(original_fn, self, *args, **kwargs):
     original_fn(self, *args, **kwargs)
-    option = draft_kv_dtype_option()  # raises on an unknown value: at startup, before any pool exists
+    option = settings.current().draft_kv_dtype
     if not getattr(self, "is_draft_worker", False) or option is None:
         return
     drafted = server_draft()
     if drafted is None:
-        raise ConfigError(DRAFT_KV_DTYPE_ENV, option, "set, but the server has no readable Eagle3 draft config",
-                          "unset it or pass --speculative-draft-model-path to a local directory")
+        raise ConfigError(DRAFT_KV_DTYPE_FIELD, option, "set, but the server has no readable Eagle3 draft config",
+                          "leave it at auto or pass --speculative-draft-model-path to a local directory")
     draft, _ = drafted
     own = TORCH_KV_DTYPES.get(self.kv_cache_dtype, str(self.kv_cache_dtype))
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
@@ -106,7 +101,7 @@ def configure_kv_cache_dtype(original_fn, self, *args, **kwargs):
     if option != own:
         self.kv_cache_dtype = KV_TORCH_DTYPES[option]
         self.kv_cache_dtype_str = SGLANG_DTYPE_STR[option]
-        logger.info("[sglang_ext] draft KV cache dtype %s (target %s) from %s", option, own, DRAFT_KV_DTYPE_ENV)
+        logger.info("[sglang_ext] draft KV cache dtype %s (target %s) from %s", option, own, DRAFT_KV_DTYPE_FIELD)
 
 
 def alloc_memory_pool_after(result, self, *args, **kwargs):
@@ -125,11 +120,13 @@ def alloc_memory_pool_after(result, self, *args, **kwargs):
     return result
 
 
-HOOKS = {
-    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__": pool_configurator_init,
-    "sglang.srt.model_executor.model_runner.ModelRunner.configure_kv_cache_dtype": configure_kv_cache_dtype,
-}
-AFTER_HOOKS = {
-    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes": pool_sizes_after,
-    "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool": alloc_memory_pool_after,
-}
+HOOKS = (
+    Hook("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__", "around",
+         pool_configurator_init, feature="the draft pool's size"),
+    Hook("sglang.srt.model_executor.model_runner.ModelRunner.configure_kv_cache_dtype", "around",
+         configure_kv_cache_dtype, feature="the draft KV cache dtype"),
+    Hook("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes", "after",
+         pool_sizes_after, feature="the pool split log line"),
+    Hook("sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool", "after", alloc_memory_pool_after,
+         feature="the allocated pools' log lines"),
+)

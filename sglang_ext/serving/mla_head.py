@@ -6,8 +6,11 @@ Extends ``sglang.srt.models.kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM`` (the l
 * ``q_lora_rank: null`` -- a plain ``q_proj`` over the doubled (embedding + hidden) input instead
   of the low-rank query. Upstream raises, and its loader would silently drop
   ``kv_a_proj_with_mqa`` while waiting for a ``q_a_proj`` that never comes.
-* more architecture names (``MLA_HEAD_ARCHITECTURES``) served by this class and treated as MLA by
-  ``ModelConfig`` (whose MLA list is hard-coded): see ``serving.registry``.
+* more architecture names (``config.architectures.MLA_ARCHITECTURES``) served by this class and treated as MLA
+  by ``ModelConfig`` (whose MLA list is hard-coded): see ``serving.registry``.
+
+With ``q_lora_rank: null`` upstream's layer is built by `init_plain_q` (serving.registry's hook on
+``Eagle3MLADecoderLayer.__init__``; upstream's refuses); its forward is upstream's.
 
 EAGLE-3.1 ``fc_norm`` / ``norm_output``, ``d2t`` and the target's embedding / lm_head sharing are
 upstream's and unchanged.
@@ -19,10 +22,11 @@ import logging
 
 from torch import nn
 
+from sglang_ext.config.weights import WeightMap
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear
 from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA, DeepseekV2MLP
-from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM, Eagle3MLADecoderLayer
+from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.utils import add_prefix
 
@@ -36,72 +40,48 @@ def _rope(config):
     return config.rope_theta, config.rope_scaling
 
 
-class Eagle3MLADecoderLayerPlainQ(Eagle3MLADecoderLayer):
-    """The Eagle3 MLA layer without a query low-rank projection (``q_lora_rank`` null). The forward
-    is upstream's: MLA's q_lora_rank-None path reads ``q_proj`` / ``kv_a_proj_with_mqa`` directly."""
-
-    def __init__(self, config, layer_id: int = 0, quant_config=None, prefix: str = ""):
-        nn.Module.__init__(self)  # upstream's __init__ refuses q_lora_rank None before building
-        self.hidden_size = config.hidden_size
-        rope_theta, rope_scaling = _rope(config)
-        self.self_attn = DeepseekV2AttentionMLA(
-            config=config, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
-            qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
-            v_head_dim=config.v_head_dim, q_lora_rank=None, kv_lora_rank=config.kv_lora_rank,
-            rope_theta=rope_theta, rope_scaling=rope_scaling,
-            max_position_embeddings=config.max_position_embeddings, quant_config=quant_config,
-            layer_id=layer_id, reduce_results=True, prefix=add_prefix("self_attn", prefix))
-        attn = self.self_attn
-        # Eagle3 feeds concat(input_layernorm(embed), hidden_norm(h)): twice the hidden width
-        attn.q_proj = ColumnParallelLinear(
-            2 * config.hidden_size, attn.num_heads * attn.qk_head_dim, bias=False, quant_config=quant_config,
-            prefix=add_prefix("self_attn.q_proj", prefix), tp_rank=attn.q_proj.tp_rank, tp_size=attn.q_proj.tp_size)
-        attn.kv_a_proj_with_mqa = ReplicatedLinear(
-            2 * config.hidden_size, attn.kv_lora_rank + attn.qk_rope_head_dim, bias=False,
-            quant_config=quant_config, prefix=add_prefix("self_attn.kv_a_proj_with_mqa", prefix))
-        self.mlp = DeepseekV2MLP(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-                                 hidden_act=config.hidden_act, quant_config=quant_config,
-                                 prefix=add_prefix("mlp", prefix))
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+def init_plain_q(self, config, layer_id: int = 0, quant_config=None, prefix: str = "") -> None:
+    """The Eagle3 MLA layer without a query low-rank projection. Upstream's forward runs it unchanged: MLA's
+    q_lora_rank-None path reads ``q_proj`` / ``kv_a_proj_with_mqa`` directly."""
+    nn.Module.__init__(self)
+    self.hidden_size = config.hidden_size
+    rope_theta, rope_scaling = _rope(config)
+    self.self_attn = DeepseekV2AttentionMLA(
+        config=config, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
+        qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim, q_lora_rank=None, kv_lora_rank=config.kv_lora_rank,
+        rope_theta=rope_theta, rope_scaling=rope_scaling,
+        max_position_embeddings=config.max_position_embeddings, quant_config=quant_config,
+        layer_id=layer_id, reduce_results=True, prefix=add_prefix("self_attn", prefix))
+    attn = self.self_attn
+    # Eagle3 feeds concat(input_layernorm(embed), hidden_norm(h)): twice the hidden width
+    attn.q_proj = ColumnParallelLinear(
+        2 * config.hidden_size, attn.num_heads * attn.qk_head_dim, bias=False, quant_config=quant_config,
+        prefix=add_prefix("self_attn.q_proj", prefix), tp_rank=attn.q_proj.tp_rank, tp_size=attn.q_proj.tp_size)
+    attn.kv_a_proj_with_mqa = ReplicatedLinear(
+        2 * config.hidden_size, attn.kv_lora_rank + attn.qk_rope_head_dim, bias=False,
+        quant_config=quant_config, prefix=add_prefix("self_attn.kv_a_proj_with_mqa", prefix))
+    self.mlp = DeepseekV2MLP(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                             hidden_act=config.hidden_act, quant_config=quant_config,
+                             prefix=add_prefix("mlp", prefix))
+    self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class Eagle3MLAHeadForCausalLM(Eagle3DeepseekV2ForCausalLM):
-    """Upstream's MLA Eagle3 head, also for ``q_lora_rank: null``."""
-
-    def __init__(self, config, quant_config=None, prefix: str = ""):
-        if config.q_lora_rank is not None:
-            super().__init__(config, quant_config=quant_config, prefix=prefix)
-        else:
-            self._init_plain_q(config, quant_config, prefix)
-
-    def _init_plain_q(self, config, quant_config, prefix):
-        # Build upstream's Eagle3MLAModel with the layer class swapped for the plain-q one, then let the
-        # parent finish (lm_head, logits processor, d2t) exactly as it does for q_lora_rank set.
-        import sglang.srt.models.kimi_k25_eagle3 as upstream
-
-        saved = upstream.Eagle3MLADecoderLayer
-        upstream.Eagle3MLADecoderLayer = Eagle3MLADecoderLayerPlainQ
-        try:
-            super().__init__(config, quant_config=quant_config, prefix=prefix)
-        finally:
-            upstream.Eagle3MLADecoderLayer = saved
-        assert isinstance(self.model.midlayer, Eagle3MLADecoderLayerPlainQ)
+    """Upstream's MLA Eagle3 head, also for ``q_lora_rank: null`` (its layer: `init_plain_q`)."""
 
     def load_weights(self, weights):
         if self.config.q_lora_rank is not None:
             return super().load_weights(weights)
         params = dict(self.named_parameters())
         rest = []
-        for name, tensor in weights:
+        for name, tensor in weights:  # upstream's loader waits for a q_a_proj that never comes: these go directly
             if "kv_a_proj_with_mqa" in name or ".q_proj." in name:
-                mapped = "model." + name.replace("layers.0.", "midlayer.", 1).removeprefix("model.")
-                param = params[mapped]
+                param = params[WeightMap.sglang_parameter(name)]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             else:
                 rest.append((name, tensor))
         return super().load_weights(rest)
-
-
 EntryClass = [Eagle3MLAHeadForCausalLM]

@@ -16,7 +16,7 @@ latent KV head, split-KV), with per-query KV index lists built on the GPU from `
 (EAGLE v2 has already written the draft tokens' slots there: ``eagle_prepare_for_verify`` reads
 ``out_cache_loc`` from it) and, for trees, the mask (``verify_kernels.py``).
 
-``SGLANG_EXT_MLA_VERIFY``: unset or ``auto`` (default) -- chains (topk 1) as decode attention, draft trees
+``--speculative-mla-verify`` (``SGLANG_EXT_MLA_VERIFY``): ``auto`` (default) -- chains (topk 1) as decode attention, draft trees
 on upstream's kernel; ``decode`` -- trees too (their CUDA-graph replay is CPU-checked, not yet run on a
 GPU); ``extend`` -- upstream's kernel only (the hooks are not registered). In SGLang's deterministic mode
 a verify row is then computed bit for bit as that token's decode row. Extends (hooks registered by
@@ -35,40 +35,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import torch
 
-from sglang_ext.conventions import env_choice, env_option_set
+from sglang_ext import settings
+from sglang_ext.serving.hooks import Hook
 
 logger = logging.getLogger(__name__)
 
-ENV = "SGLANG_EXT_MLA_VERIFY"
+OPTION = settings.BY_ATTR["mla_verify"].flag
 FLAG = "_sglang_ext_verify_as_decode"  # set on the backend while its metadata is ours
 INDPTR = "_sglang_ext_verify_indptr"  # [max_num_tokens + 1] int32, beside the backend's CUDA-graph buffers
 
 
-OFF_VALUES = ("off", "extend", "upstream")
-MODES = {"": "auto", "auto": "auto", "decode": "decode", **{v: "extend" for v in OFF_VALUES}}
-
-
 def mode() -> str:
-    """'auto' (unset; the default): chain verify as decode attention, draft trees on upstream's kernel;
-    'decode': chains and trees; 'extend' (also 'off', 'upstream'): upstream's kernel only. An unknown value is
-    refused with field, value and fix."""
-    return env_choice(ENV, MODES, "unknown verify mode", "use 'auto' (the default: chains as decode attention), "
-                      "'decode' (chains and trees) or 'extend' (upstream's kernel)")
-
-
-def requested() -> bool:
-    """Whether the hooks are registered: unless the operator chose upstream's kernel. Never raises (SGLang's
-    plugin loader swallows exceptions); an unknown value is refused by ``validate()`` at server start."""
-    return env_option_set(ENV, OFF_VALUES)
-
-
-def validate() -> bool:
-    """Whether any verify may run as decode attention; raises on an unknown value."""
-    return mode() != "extend"
+    """'auto' (the default): chain verify as decode attention, draft trees on upstream's kernel; 'decode': chains
+    and trees; 'extend': upstream's kernel only (the hooks are then not registered)."""
+    return settings.current().mla_verify
 
 
 def applies(backend) -> bool:
@@ -76,14 +59,14 @@ def applies(backend) -> bool:
     asked for (their CUDA-graph path is checked on the CPU, not yet on a GPU)."""
     ok = getattr(backend, "_sglang_ext_verify_ok", None)
     if ok is None:
-        chosen = mode()  # raises on an unknown value (also for NEXTN/MTP servers, where no Eagle3 hook runs)
+        chosen = mode()
         reasons = []
         if chosen == "extend":
-            reasons.append(f"{ENV}={os.environ.get(ENV)}")
+            reasons.append(f"{OPTION} extend")
         if not getattr(backend, "use_mla", False):
             reasons.append("the target is not MLA")
         if (getattr(backend, "topk", 0) or 0) > 1 and chosen != "decode":
-            reasons.append(f"draft trees (topk {backend.topk}) use upstream's kernel unless {ENV}=decode")
+            reasons.append(f"draft trees (topk {backend.topk}) use upstream's kernel unless {OPTION} decode")
         if getattr(backend, "dcp_size", 1) > 1:
             reasons.append("decode context parallelism")
         if getattr(backend, "sliding_window_size", None) not in (None, -1, 0):
@@ -95,7 +78,7 @@ def applies(backend) -> bool:
         ok = not reasons
         backend._sglang_ext_verify_ok = ok
         if ok:
-            logger.info("[sglang_ext] MLA target verify runs as grouped decode attention (%s=%s)", ENV, chosen)
+            logger.info("[sglang_ext] MLA target verify runs as grouped decode attention (%s %s)", OPTION, chosen)
         elif getattr(backend, "use_mla", False):
             logger.info("[sglang_ext] MLA target verify on upstream's extend kernel: %s", "; ".join(reasons))
     return ok
@@ -134,7 +117,7 @@ def _fill(backend, forward_batch, bs: int, n: int, kv_indptr: torch.Tensor, kv_i
         return expand_verify_indices(backend.req_to_token, pools, seq_lens, n, kv_indptr, kv_indices)
     mask, mask_indptr = tree_mask()
     if mask is None or mask_indptr is None:
-        raise RuntimeError(f"verify as decode attention: a tree verify batch without its mask; set {ENV}=extend "
+        raise RuntimeError(f"verify as decode attention: a tree verify batch without its mask; set {OPTION}=extend "
                            "(upstream's kernel) and report this")
     from sglang_ext.serving.verify_kernels import tree_verify_indices
 
@@ -151,7 +134,7 @@ def _graph_mask(backend, forward_batch, bs: int):
         return None, None
     if int(vm.mode) != 0:  # TreeMaskMode.FULL_MASK, the layout verify_kernels reads (the GPU default)
         raise RuntimeError(f"verify as decode attention: verify mask layout {vm.mode!r} is not supported; "
-                           f"set {ENV}=extend")
+                           f"set {OPTION}=extend")
     return vm.buffer, backend.mask_indptr[: bs + 1]
 
 
@@ -202,7 +185,7 @@ def init_forward_metadata_out_graph_after(result, self, forward_batch, in_captur
     buf = getattr(self, INDPTR, None)  # allocated with the backend's other CUDA-graph buffers
     if buf is None or queries + 1 > buf.shape[0] or queries > self.cuda_graph_attn_logits.shape[0]:
         raise RuntimeError(f"verify as decode attention: {queries} verify queries exceed the CUDA-graph buffers "
-                           f"({None if buf is None else buf.shape[0] - 1}); set {ENV}=extend (upstream's kernel) "
+                           f"({None if buf is None else buf.shape[0] - 1}); set {OPTION}=extend (upstream's kernel) "
                            "and report this")
     lens = _fill(self, forward_batch, bs, n, buf, self.cuda_graph_kv_indices,
                  lambda: _graph_mask(self, forward_batch, bs))
@@ -235,12 +218,17 @@ def forward_extend(original_fn, self, q, k, v, layer, forward_batch, save_kv_cac
     return out
 
 
-AFTER_HOOKS = {
-    "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_cuda_graph_state": init_cuda_graph_state_after,
-    "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_forward_metadata": init_forward_metadata_after,
-    "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_forward_metadata_out_graph":
-        init_forward_metadata_out_graph_after,
-}
-AROUND_HOOKS = {
-    "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend": forward_extend,
-}
+def _requested(s: settings.Settings) -> bool:
+    return s.mla_verify != "extend"
+
+
+HOOKS = (
+    Hook("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_cuda_graph_state", "after",
+         init_cuda_graph_state_after, when=_requested, feature="MLA verify as decode attention (Triton)"),
+    Hook("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_forward_metadata", "after",
+         init_forward_metadata_after, when=_requested, feature="MLA verify as decode attention (Triton)"),
+    Hook("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_forward_metadata_out_graph", "after",
+         init_forward_metadata_out_graph_after, when=_requested, feature="MLA verify as decode attention (Triton)"),
+    Hook("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend", "around", forward_extend,
+         when=_requested, feature="MLA verify as decode attention (Triton)"),
+)

@@ -28,7 +28,7 @@ def prepare(work: str, device: str, conversations: int, hidden: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from sglang_ext.conventions import default_output_ids
+    from sglang_ext.config.aux_layers import default_output_ids
     from sglang_ext.core import tiny
     from sglang_ext.core.heads import Eagle3Head, head_config_for
     from training import data as D

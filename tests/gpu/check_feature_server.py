@@ -35,7 +35,7 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from sglang_ext.conventions import default_output_ids
+    from sglang_ext.config.aux_layers import default_output_ids
     from sglang_ext.core.capture import text_config_of
     from training import data as D
     from training.features import FeatureExtractor, ServerFeatureExtractor

@@ -11,6 +11,12 @@ accepted drafts + verify steps + 1 per request, whether the sum of meta_info, /m
 /get_server_info ledger and the last decode log line agree exactly, accepted drafts per step, and
 the KV pool lines (arithmetic vs what the allocator really holds). Writes $OUT/serving.json.
 
+The attention backend is SGLang's own choice (FA3 for an MLA target on Hopper) unless
+GPU_CHECK_ATTENTION_BACKEND names one (triton, fa3, flashinfer, flashmla); the arms that exercise the
+Triton backend's verify (`*verify-decode*`, `*-extend-*`, `target-triton`) run on Triton regardless.
+GPU_CHECK_PARALLEL=N starts N arms' servers side by side (a start is most of an arm's time), with
+GPU_CHECK_MEM_FRACTION / GPU_CHECK_MAX_TOTAL_TOKENS so that each finds memory for its pools.
+
     PYTHONPATH=/tmp/site:. python tests/gpu/check_serving.py [ARM ...]   (default: all arms)
 """
 
@@ -27,10 +33,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from serverlib import Server, tp_args  # noqa: E402
+from serverlib import Server, attention_backend, port, tp_args  # noqa: E402
 
-from sglang_ext.conventions import load_json, parse_draft, parse_target  # noqa: E402
-from sglang_ext.draft_schema import draft_kv_bytes_per_token, target_kv_bytes_per_token  # noqa: E402
+from sglang_ext.config import Eagle3DraftConfig, TargetConfig  # noqa: E402
+from sglang_ext.config.kv import draft_kv_bytes_per_token, target_kv_bytes_per_token  # noqa: E402
 
 WORK = os.environ.get("GPU_CHECK_WORK", "/tmp/servecheck")
 OUT = os.environ.get("OUT", "/tmp")
@@ -70,28 +76,42 @@ ARMS = {
     "mha-chain-sampled": ("mha", CHAIN, {}, False, None),
     "mla-tree-sampled": ("mla", TREE, {}, False, None),
 }
+# the cost-model protection (adaptive depth; depth 0 the target's plain decode step, serving/decode_depth0.py)
+ARMS["mha-chain-protected"] = ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"},
+                               False, None)
+ARMS["mla-chain-protected"] = ("mla", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"},
+                               False, None)
 # SGLang's batch-invariant mode (--enable-deterministic-inference: batch-invariant GEMMs, attention KV split by
-# a fixed tile), compared with "target-deterministic", not with the default target arm. With verify as decode
-# attention a verify row is computed exactly as that token's decode row (tests/test_mla_verify.py checks the
-# attention bit for bit), so greedy speculation must give the target's output exactly -- a check that bf16
-# kernel differences cannot blur; upstream's verify (its extend kernel) rounds differently, so the arms without
-# "verify-decode" (=extend) show what remains without it.
+# a fixed tile; fa3, flashinfer and triton support it), compared with "target-deterministic", not with the
+# default target arm: greedy speculation must then give the target's output exactly, a check bf16 kernel
+# differences cannot blur. "<arm>-deterministic" runs on the server's backend (GPU_CHECK_ATTENTION_BACKEND,
+# else SGLang's default); "-verify-decode-deterministic" on Triton with MLA verify as decode attention (a verify
+# row computed exactly as that token's decode row, tests/test_mla_verify.py) and "-extend-deterministic" on
+# Triton with upstream's verify kernel (what remains without it).
 DETERMINISTIC = {"target-deterministic"}
 ARMS["target-deterministic"] = (None, [], {}, False, None)
-for _name in ("mha-chain", "mla-chain"):  # upstream's extend kernel: what remains without verify as decode
-    ARMS[f"{_name}-deterministic"] = (ARMS[_name][0], ARMS[_name][1], {"SGLANG_EXT_MLA_VERIFY": "extend"}, False, None)
+# the target alone on Triton: the reference of the Triton-only arms in a run on another backend
+ARMS["target-triton"] = (None, [], {}, False, None)
+ARMS["target-deterministic-triton"] = (None, [], {}, False, None)
+DETERMINISTIC.add("target-deterministic-triton")
+for _name in ("mha-chain", "mla-chain", "mha-tree", "mla-tree", "mha-chain-fp8", "mha-chain-no-overlap",
+              "mha-chain-protected"):
+    ARMS[f"{_name}-deterministic"] = ARMS[_name]
     DETERMINISTIC.add(f"{_name}-deterministic")
-for _name in ("mha-chain", "mla-chain", "mha-tree", "mla-tree", "mha-chain-fp8", "mha-chain-no-overlap"):
+for _name in ("mha-chain", "mla-chain"):
+    ARMS[f"{_name}-extend-deterministic"] = (ARMS[_name][0], ARMS[_name][1], {"SGLANG_EXT_MLA_VERIFY": "extend"},
+                                             False, None)
+    DETERMINISTIC.add(f"{_name}-extend-deterministic")
+for _name in ("mha-chain", "mla-chain", "mha-tree", "mla-tree", "mha-chain-fp8", "mha-chain-no-overlap",
+              "mha-chain-protected"):
     _head, _drafting, _env = ARMS[_name][:3]
     ARMS[f"{_name}-verify-decode-deterministic"] = (_head, _drafting, {**_env, "SGLANG_EXT_MLA_VERIFY": "decode"},
                                                     False, None)
     DETERMINISTIC.add(f"{_name}-verify-decode-deterministic")
-# the cost-model protection (adaptive depth, depth 0 as the target's plain decode step: serving/decode_depth0.py)
-# must not change a greedy output either: decode rows and verify-as-decode rows are the same bits in this mode
-ARMS["mha-chain-protected-deterministic"] = ("mha", CHAIN + ["--speculative-adaptive"],
-                                             {"SGLANG_EXT_ADAPTIVE_POLICY": "cost", "SGLANG_EXT_MLA_VERIFY": "decode"},
-                                             False, None)
-DETERMINISTIC.add("mha-chain-protected-deterministic")
+# the arms that name SGLANG_EXT_MLA_VERIFY exercise the Triton backend's verify (serving/mla_verify.py): they run on
+# Triton whatever the server's backend
+TRITON_ONLY = {name for name, arm in ARMS.items() if "SGLANG_EXT_MLA_VERIFY" in arm[2]} | {
+    "target-triton", "target-deterministic-triton"}
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 WORDS = ["the", "a", "of", "and", "to", "is", "in", "number", "answer", "apples", "cost", "dollars", "what",
          "how", "many", "total", "each", "has"]
@@ -146,7 +166,7 @@ def train_heads() -> subprocess.Popen | None:
     server start). One work directory: the MLA run reuses the regenerated data, not the checkpoint."""
     common = (f"--target {WORK}/target --work {WORK}/train --eval-data {WORK}/heldout.jsonl --eval-prompts 8 "
               f"--eval-max-new-tokens 48 --max-new-tokens 96 --draft-vocab-size 384 --lr 3e-3 --ttt-steps 4 "
-              f"--device cuda")
+              f"--device {os.environ.get('GPU_CHECK_TRAIN_DEVICE', 'cuda')}")
     mha_data, mla_data = f"messages:{WORK}/train.jsonl --epochs 6", f"messages:{WORK}/train.jsonl:300 --epochs 3"
     mla_extra = "--head-override q_lora_rank=null"
     if EXTERNAL_TARGET:  # a real chat target: real chat data, the GPU defaults (TTT 7), a larger draft vocabulary
@@ -161,7 +181,7 @@ def train_heads() -> subprocess.Popen | None:
         cmds.append(f"{sys.executable} -m training.train_draft {common} --data {mha_data} --draft-format mha "
                     f"--out {WORK}/head-mha")
     if not os.path.exists(f"{WORK}/head-mla/model.safetensors"):
-        mla = (f"rm -rf {WORK}/train/checkpoint && {sys.executable} -m training.train_draft {common} "
+        mla = (f"rm -rf {WORK}/train/checkpoint {WORK}/train/features && {sys.executable} -m training.train_draft {common} "
                f"--data {mla_data} --draft-format mla --out {WORK}/head-mla {mla_extra}")
         cmds.append(f"( ( {mla} ) || ( {mla} --precision fp32 ) )")  # the trainer stops at a non-finite loss
     if not cmds:
@@ -183,7 +203,8 @@ def server_args(head: str | None, drafting: list[str]) -> list[str]:
 
 def arm_args(name: str) -> list[str]:
     head, drafting = ARMS[name][:2]
-    return server_args(head, drafting) + (["--enable-deterministic-inference"] if name in DETERMINISTIC else [])
+    return (server_args(head, drafting) + (["--enable-deterministic-inference"] if name in DETERMINISTIC else [])
+            + (["--attention-backend", "triton"] if name in TRITON_ONLY else []))
 
 
 def same_prompts_acceptance(srv: Server, head: str) -> dict | None:
@@ -400,8 +421,8 @@ def accounting(rows: list[dict], srv: Server, log: str, base: dict) -> dict:
 def pool_lines(log: str, head: str, env: dict) -> dict:
     lines = re.findall(r"\[sglang_ext\] (KV [^\n]*|(?:draft|target) KV pool allocated[^\n]*|draft KV cache dtype[^\n]*)",
                        log)
-    target = parse_target(load_json(f"{WORK}/target"))
-    draft = parse_draft(load_json(f"{WORK}/head-{head}"))
+    target = TargetConfig.load(f"{WORK}/target")
+    draft = Eagle3DraftConfig.load(f"{WORK}/head-{head}", strict=False)
     dtype = "fp8_e4m3" if env.get("SGLANG_EXT_DRAFT_KV_CACHE_DTYPE") == "fp8_e4m3" else "bf16"
     tp = int(os.environ.get("GPU_CHECK_TP", "1"))  # per rank: MHA heads shard their KV heads
     expect = {"target_bytes_per_token": target_kv_bytes_per_token(target, "bf16", tp),
@@ -422,10 +443,144 @@ def pool_lines(log: str, head: str, env: dict) -> dict:
     return {"expected": expect, "logged": got, "arithmetic_matches": ok, "lines": lines[:6]}
 
 
+def prepare_head(head: str | None) -> None:
+    if head == "mla":
+        rename_mla_head()
+    if head == "mha-upstream":  # the same head, its ids written the way upstream reads undeclared ids
+        from eval.spec_bench import upstream_copy
+
+        upstream_copy(f"{WORK}/head-mha", f"{WORK}/head-mha-upstream")
+    if head is not None:  # SGLang reads the draft directory's tokenizer files too
+        os.system(f"cp -n {WORK}/target/tokenizer*.json {WORK}/target/chat_template.jinja {WORK}/head-{head}/ "
+                  "2>/dev/null")
+
+
+def backend_of(name: str) -> str | None:
+    """The attention backend an arm's server runs (None: SGLang's own choice)."""
+    return "triton" if name in TRITON_ONLY else attention_backend()
+
+
+def reference_key(name: str) -> str:
+    """Where the target alone's outputs for this arm's comparison live: deterministic mode or not, and the backend
+    when it is not the run's own (a Triton-only arm in a run on another backend is read against target-triton)."""
+    own = backend_of(name)
+    return ("reference-deterministic" if name in DETERMINISTIC else "reference") + \
+        ("" if own == attention_backend() else f"-{own}")
+
+
+def reference_arm(name: str) -> str:
+    key = reference_key(name)
+    return next(a for a in ARMS if ARMS[a][0] is None and reference_key(a) == key)
+
+
+def evaluate(name: str, srv: Server, state: dict, t_start: float) -> dict:
+    """One arm's server, already started: its checks (module docstring)."""
+    head, drafting, env, refuse, max_new = ARMS[name]
+    prompts = state["prompts"]
+    ref_key = reference_key(name)
+    row = {"arm": name, "head": head, "drafting": " ".join(drafting), "env": env,
+           "attention_backend": backend_of(name) or "SGLang's default"}
+    ok = srv.wait_ready(600)
+    row["start_s"] = round(time.time() - t_start)
+    log = srv.log()
+    if refuse:
+        err = next(iter(re.findall(r"ConfigError: [^\n]*", log)), None)
+        row.update(refused=not ok, error=err, passed=(not ok) and err is not None
+                   and "--speculative-draft-kv-cache-dtype" in err)
+        return row
+    if not ok:
+        row.update(passed=False, log_tail=log[-3000:])
+        return row
+    resolved = re.findall(r"attention_backend='([\w]+)'", log)
+    if resolved:
+        row["attention_backend_resolved"] = resolved[0]
+    base = snapshot(srv) if head not in (None, "mha-upstream") else None
+    t = time.time()
+    sampled = name.endswith("-sampled")
+    rows = run_prompts(srv, prompts, logprobs=head is None, max_new=max_new, sampling=SAMPLED if sampled else None)
+    state.setdefault("outputs", {})[name] = [r["ids"] for r in rows]
+    row["requests_s"] = round(time.time() - t, 1)
+    row["output_tokens"] = sum(len(r["ids"]) for r in rows)
+    log = srv.log()
+    if head is None:
+        state[ref_key] = rows
+        row["batch_noise_floor"] = batch_noise_floor(srv, prompts, rows)
+        row["passed"] = True
+        return row
+    if head == "mha-upstream":
+        metas = [r["meta"] for r in rows]
+        if ref_key in state:
+            row["vs_target"] = compare(state[ref_key], rows)
+        row["upstream_invariant_failures"] = sum(
+            1 for m in metas if m.get("spec_verify_ct") and m["completion_tokens"] !=
+            m.get("spec_accepted_drafts", 0) + m["spec_verify_ct"] + 1)
+        row["accepted_drafts_per_step"] = (sum(m.get("spec_accepted_drafts", 0) for m in metas) /
+                                           max(1, sum(m.get("spec_verify_ct", 0) for m in metas)))
+        row["passed"] = True
+        return row
+    acc = accounting(rows, srv, log, base)
+    row.update(acc)
+    row["pool"] = pool_lines(log, head, env)
+    if "--speculative-adaptive" in drafting:  # which depths ran: depth 0 must have been reached
+        row["adaptive"] = {"plain_decode_depth0": "depth 0 runs the target as a plain decode step" in log,
+                           "switches": len(re.findall(r"Switch adaptive runtime state", log)),
+                           "summaries": re.findall(r"adaptive speculation summary: ([^\n]*)", log)[-6:]}
+    accounting_ok = acc["invariant_failures"] == 0 and acc["all_views_agree"] and row["pool"]["arithmetic_matches"]
+    if sampled:
+        row.update(sampling=SAMPLED, accounting_passed=accounting_ok, passed=accounting_ok)
+    elif max_new is None:
+        if ref_key not in state:
+            row.update(passed=False, error=f"no reference: run {reference_arm(name)} before {name}")
+            return row
+        row["vs_target"] = compare(state[ref_key], rows)
+        up = state.get("outputs", {}).get("upstream-mha-chain")
+        if up is not None and name == "mha-chain":
+            row["identical_to_upstream"] = sum(a == b for a, b in zip(up, [r["ids"] for r in rows]))
+        row["accounting_passed"] = accounting_ok
+        row["passed"] = accounting_ok and row["vs_target"]["other_partings"] == 0
+        if EXTERNAL_TARGET:
+            row["same_prompts"] = same_prompts_acceptance(srv, head)
+            gsm_out = os.environ.get("GPU_CHECK_GSM8K_OUT")
+            if gsm_out and name == "mha-chain":  # the GSM8K eval against the server, spec on
+                from eval import gsm8k as G
+
+                row["gsm8k_rc"] = G.main([
+                    "--base-url", srv.url, "--tokenizer", f"{WORK}/target",
+                    "--data-path", f"{DATA}/gsm8k-test.jsonl", "--fewshot-path",
+                    f"{DATA}/gsm8k-train.jsonl", "--limit", os.environ.get("GPU_CHECK_GSM8K_LIMIT", "200"),
+                    "--out", gsm_out])
+    else:
+        sim = float(env["SGLANG_SIMULATE_ACC_LEN"]) - 1
+        live = re.findall(r"accepted drafts/step: ([\d.]+) \(no bonus; (\d+) req-steps\)", log)
+        steps = sum(int(n) for _, n in live)
+        row["simulated_accepted_drafts"] = sim
+        row["log_live_accepted_drafts_per_step"] = sum(float(a) * int(n) for a, n in live) / steps if steps else 0.0
+        row["passed"] = (abs(acc["accepted_drafts_per_step"] - sim) <= 0.02 * sim
+                         and acc["invariant_failures"] == 0 and acc["all_views_agree"])
+    return row
+
+
+def groups_of(arms: list[str], parallel: int, headless_apart: bool = False) -> list[list[str]]:
+    """Arms in groups whose servers start side by side (GPU_CHECK_PARALLEL; a server start is most of an arm's
+    time). The target-alone arms go first: every other arm is read against their outputs. `headless_apart` (heads
+    still training): they form groups of their own, which run while the heads train."""
+    ordered = sorted(arms, key=lambda a: ARMS[a][0] is not None)
+    n = max(1, parallel)
+    if not headless_apart:
+        return [ordered[i:i + n] for i in range(0, len(ordered), n)]
+    headless = [a for a in ordered if ARMS[a][0] is None]
+    rest = ordered[len(headless):]
+    return [headless[i:i + n] for i in range(0, len(headless), n)] + [rest[i:i + n] for i in range(0, len(rest), n)]
+
+
 def main():
     arms = sys.argv[1:] or list(ARMS)
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {unknown}; choose from {list(ARMS)}")
     t0 = time.time()
     deadline = float(os.environ.get("GPU_CHECK_DEADLINE", "1e9"))  # no new arm after this many seconds
+    parallel = int(os.environ.get("GPU_CHECK_PARALLEL", "1"))
     restore = os.environ.get("GPU_CHECK_RESTORE")  # a previous call's $OUT/state (machine went cold)
     if restore and not os.path.exists(f"{WORK}/state.json"):
         os.system(f"mkdir -p {WORK} && cp -r {restore}/. {WORK}/")
@@ -435,137 +590,69 @@ def main():
     if "prompts" not in state or not os.path.exists(f"{WORK}/target/model.safetensors"):
         state["prompts"] = build()
         json.dump(state, open(state_path, "w"))
-    prompts = state["prompts"]
     trainer = None if os.environ.get("GPU_CHECK_NO_TRAIN") else train_heads()
-    print(f"[check] built in {time.time() - t0:.0f}s; {len(prompts)} prompts", flush=True)
+    print(f"[check] built in {time.time() - t0:.0f}s; {len(state['prompts'])} prompts; backend "
+          f"{attention_backend() or 'SGLang default'}; {parallel} server(s) at a time", flush=True)
     results = state.setdefault("results", {})
-    for name in arms:
+    for group in groups_of(arms, parallel, headless_apart=trainer is not None):
         if time.time() - t0 > deadline:
-            print(f"[check] {name}: not started (deadline {deadline:.0f}s)", flush=True)
+            print(f"[check] {' '.join(group)}: not started (deadline {deadline:.0f}s)", flush=True)
             continue
-        head, drafting, env, refuse, max_new = ARMS[name]
         # the MHA head (restored or trained first) can be served while the MLA head trains
-        if trainer is not None and (head == "mla" or (head is not None and not os.path.exists(
-                f"{WORK}/head-{head}/config.json"))):
+        heads = {ARMS[n][0] for n in group} - {None}
+        if trainer is not None and ("mla" in heads or any(not os.path.exists(f"{WORK}/head-{h}/config.json")
+                                                          for h in heads if h != "mha-upstream")):
             rc = trainer.wait()
             print(open(f"{WORK}/train.log").read()[-3000:], flush=True)
             if rc != 0:
                 print("[check] training failed; stopping")
                 break
             trainer = None
-        if head == "mla":
-            rename_mla_head()
-        if head == "mha-upstream":  # the same head, its ids written the way upstream reads undeclared ids
-            from eval.spec_bench import upstream_copy
+        for h in heads:
+            prepare_head(h)
+        t_start = time.time()
+        servers = {n: Server(f"serve-{n}", arm_args(n), ARMS[n][2], port_number=port() + i)
+                   for i, n in enumerate(group)}
 
-            upstream_copy(f"{WORK}/head-mha", f"{WORK}/head-mha-upstream")
-        if head is not None:  # SGLang reads the draft directory's tokenizer files too
-            os.system(f"cp -n {WORK}/target/tokenizer*.json {WORK}/target/chat_template.jinja {WORK}/head-{head}/ "
-                      "2>/dev/null")
-        args = arm_args(name)
-        ref_key = "reference-deterministic" if name in DETERMINISTIC else "reference"
-        row = {"arm": name, "head": head, "drafting": " ".join(drafting), "env": env}
-        t = time.time()
-        with Server(f"serve-{name}", args, env) as srv:
-            ok = srv.wait_ready(300)
-            row["start_s"] = round(time.time() - t)
-            log = srv.log()
-            if refuse:
-                err = next(iter(re.findall(r"ConfigError: [^\n]*", log)), None)
-                row.update(refused=not ok, error=err, passed=(not ok) and err is not None
-                           and "SGLANG_EXT_DRAFT_KV_CACHE_DTYPE" in err)
-            elif not ok:
-                row.update(passed=False, log_tail=log[-3000:])
-                print(json.dumps(row, indent=1), flush=True)
-                results[name] = row
-                break
-            else:
-                base = snapshot(srv) if head not in (None, "mha-upstream") else None
-                t = time.time()
-                sampled = name.endswith("-sampled")
-                rows = run_prompts(srv, prompts, logprobs=head is None, max_new=max_new,
-                                   sampling=SAMPLED if sampled else None)
-                state.setdefault("outputs", {})[name] = [r["ids"] for r in rows]
-                row["requests_s"] = round(time.time() - t, 1)
-                row["output_tokens"] = sum(len(r["ids"]) for r in rows)
-                log = srv.log()
-                if head is None:
-                    state[ref_key] = rows
-                    row["batch_noise_floor"] = batch_noise_floor(srv, prompts, rows)
-                    row["passed"] = True
-                elif head == "mha-upstream":
-                    metas = [r["meta"] for r in rows]
-                    row["vs_target"] = compare(state["reference"], rows)
-                    row["upstream_invariant_failures"] = sum(
-                        1 for m in metas if m.get("spec_verify_ct") and m["completion_tokens"] !=
-                        m.get("spec_accepted_drafts", 0) + m["spec_verify_ct"] + 1)
-                    row["accepted_drafts_per_step"] = (sum(m.get("spec_accepted_drafts", 0) for m in metas) /
-                                                       max(1, sum(m.get("spec_verify_ct", 0) for m in metas)))
-                    row["passed"] = True
-                else:
-                    acc = accounting(rows, srv, log, base)
-                    row.update(acc)
-                    row["pool"] = pool_lines(log, head, env)
-                    if "--speculative-adaptive" in ARMS[name][1]:  # which depths ran: depth 0 must have been reached
-                        row["adaptive"] = {
-                            "plain_decode_depth0": "depth 0 runs the target as a plain decode step" in log,
-                            "switches": len(re.findall(r"Switch adaptive runtime state", log)),
-                            "summaries": re.findall(r"adaptive speculation summary: ([^\n]*)", log)[-6:]}
-                    if sampled:
-                        row["sampling"] = SAMPLED
-                        row["accounting_passed"] = (acc["invariant_failures"] == 0 and acc["all_views_agree"]
-                                                    and row["pool"]["arithmetic_matches"])
-                        row["passed"] = row["accounting_passed"]
-                    elif max_new is None:
-                        if ref_key not in state:
-                            raise SystemExit(f"{name}: run its reference arm first (target{ref_key[9:]})")
-                        row["vs_target"] = compare(state[ref_key], rows)
-                        up = state.get("outputs", {}).get("upstream-mha-chain")
-                        if up is not None and name == "mha-chain":
-                            row["identical_to_upstream"] = sum(a == b for a, b in zip(up, [r["ids"] for r in rows]))
-                        row["accounting_passed"] = (acc["invariant_failures"] == 0 and acc["all_views_agree"]
-                                                    and row["pool"]["arithmetic_matches"])
-                        row["passed"] = row["accounting_passed"] and row["vs_target"]["other_partings"] == 0
-                        if EXTERNAL_TARGET:
-                            row["same_prompts"] = same_prompts_acceptance(srv, head)
-                            gsm_out = os.environ.get("GPU_CHECK_GSM8K_OUT")
-                            if gsm_out and name == "mha-chain":  # the GSM8K eval against the server, spec on
-                                from eval import gsm8k as G
+        def one(name):
+            with servers[name] as srv:
+                row = evaluate(name, srv, state, t_start)
+            row["arm_s"] = round(time.time() - t0)
+            return name, row
 
-                                row["gsm8k_rc"] = G.main([
-                                    "--base-url", srv.url, "--tokenizer", f"{WORK}/target",
-                                    "--data-path", f"{DATA}/gsm8k-test.jsonl", "--fewshot-path",
-                                    f"{DATA}/gsm8k-train.jsonl", "--limit", os.environ.get("GPU_CHECK_GSM8K_LIMIT", "200"),
-                                    "--out", gsm_out])
-                    else:
-                        sim = float(env["SGLANG_SIMULATE_ACC_LEN"]) - 1
-                        live = re.findall(r"accepted drafts/step: ([\d.]+) \(no bonus; (\d+) req-steps\)", log)
-                        steps = sum(int(n) for _, n in live)
-                        live_mean = sum(float(a) * int(n) for a, n in live) / steps if steps else 0.0
-                        row["simulated_accepted_drafts"] = sim
-                        row["log_live_accepted_drafts_per_step"] = live_mean
-                        row["passed"] = (abs(acc["accepted_drafts_per_step"] - sim) <= 0.02 * sim
-                                         and acc["invariant_failures"] == 0 and acc["all_views_agree"])
-        row["arm_s"] = round(time.time() - t0)
-        results[name] = row
-        json.dump(state, open(state_path, "w"))
-        brief = {k: v for k, v in row.items() if k not in ("lines",)}
-        if row.get("same_prompts"):  # its per-prompt rows stay in serving.json, out of the log
-            brief["same_prompts"] = {k: v for k, v in row["same_prompts"].items() if k != "server_per_prompt"}
-        print(json.dumps(brief, indent=1), flush=True)
-    summary = {k: v for k, v in state.items() if k not in ("prompts", "reference", "reference-deterministic")}
+        try:
+            # the target-alone arms first (the others are read against them), then the rest; within each set the
+            # servers are checked at once (correctness checks, not timings)
+            for batch in ([n for n in group if ARMS[n][0] is None], [n for n in group if ARMS[n][0] is not None]):
+                with cf.ThreadPoolExecutor(max(1, len(batch))) as pool:
+                    done = list(pool.map(one, batch))
+                for name, row in done:
+                    results[name] = row
+                    brief = {k: v for k, v in row.items() if k not in ("lines",)}
+                    if row.get("same_prompts"):  # its per-prompt rows stay in serving.json, out of the log
+                        brief["same_prompts"] = {k: v for k, v in row["same_prompts"].items()
+                                                 if k != "server_per_prompt"}
+                    print(json.dumps(brief, indent=1), flush=True)
+                json.dump(state, open(state_path, "w"))
+        finally:
+            for srv in servers.values():
+                srv.stop()
+    summary = {k: v for k, v in state.items() if k != "prompts" and not k.startswith("reference")}
+    tag = attention_backend() or "default"
     json.dump(summary, open(f"{OUT}/serving.json", "w"), indent=1)
     os.system(f"mkdir -p {OUT}/state && cp {WORK}/state.json {OUT}/state/ && for h in mha mla; do "
               f"mkdir -p {OUT}/state/head-$h && cp {WORK}/head-$h/config.json {WORK}/head-$h/model.safetensors "
               f"{OUT}/state/head-$h/ 2>/dev/null; done")
     os.system(f"cp {WORK}/train.log {OUT}/ 2>/dev/null; mkdir -p {OUT}/logs; "
               f"for f in /tmp/gpu-logs/serve-*.log; do tail -c 200000 $f > {OUT}/logs/$(basename $f); done")
-    print("\narm                   acct-ok  identical near-tie other(max gap)  same-as-upstream  invariant-fail  "
-          "views-agree  acc/step  draft B/tok  start_s  same prompts: server/reference (2 se)")
+    print(f"\nbackend {tag}\narm                                  backend  acct-ok  identical near-tie other(max gap)  "
+          "same-as-upstream  invariant-fail  views-agree  acc/step  draft B/tok  start_s  same prompts: "
+          "server/reference (2 se)")
     for name, r in results.items():
         v = r.get("vs_target", {})
         other = f"{v.get('other_partings', '-')}({v.get('other_gaps_max')})" if v else "-"
-        print(f"{name:<22}{str(r.get('accounting_passed', r.get('passed'))):<9}{v.get('identical', '-'):<10}"
+        print(f"{name:<37}{str(r.get('attention_backend_resolved', r.get('attention_backend', '?')))[:8]:<9}"
+              f"{str(r.get('accounting_passed', r.get('passed'))):<9}{v.get('identical', '-'):<10}"
               f"{v.get('near_tie_partings', '-'):<9}{other:<15}{r.get('identical_to_upstream', '-'):<18}"
               f"{r.get('invariant_failures', r.get('upstream_invariant_failures', '-')):<16}"
               f"{str(r.get('all_views_agree', '-')):<13}{r.get('accepted_drafts_per_step', 0):<10.3f}"

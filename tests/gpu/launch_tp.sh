@@ -51,6 +51,7 @@ if [ "$1" = "watch" ]; then watch "${2:-540}"; exit 0; fi
 # target's own reductions differ) scored by TP=1's gaps. Sessions 6-7 ran MHA chain (default mode), MLA chain,
 # MHA tree and MLA tree at TP=2 (docs/validation.md); what they did not reach: fp8 draft KV at TP=2, and MHA
 # chain in deterministic mode.
+export GPU_CHECK_ATTENTION_BACKEND=${GPU_CHECK_ATTENTION_BACKEND:-triton}  # the TP figures were taken on Triton
 ARMS=${TP_ARMS:-"target-deterministic mha-chain-fp8-verify-decode-deterministic mha-chain-verify-decode-deterministic"}
 # GPU 1's check arms during phase 1 (session 7 ran the overlap-off and sampled arms; empty: GPU 1 only builds
 # the Kimi-shaped target)

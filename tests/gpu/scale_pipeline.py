@@ -73,6 +73,8 @@ DATA = os.environ.get("GPU_DATA", os.path.join(REPO, ".gpu-state", "data"))
 os.environ.setdefault("GPU_CHECK_TARGET", TARGET)
 os.environ.setdefault("GPU_CHECK_WORK", CHECK_WORK)
 os.environ.setdefault("GPU_CHECK_EXTRA_ARGS", "--enable-fp32-lm-head")
+# the pipeline's figures (docs/validation.md, the scale target) were taken on Triton: its arms keep that backend
+os.environ.setdefault("GPU_CHECK_ATTENTION_BACKEND", "triton")
 DEADLINE = float(os.environ.get("PIPE_DEADLINE", time.time() + 3600))
 # steps a session that measured them already may leave out (comma-separated): gsm8k (the GSM8K evals),
 # upstream (the target in SGLang without the plugin), noise (the target's batch noise floor), specforge,
@@ -637,7 +639,7 @@ def run() -> int:
         # the target alone exactly (mha-chain and mla-chain: the plugin's default, chains verified as decode)
         wanted = os.environ.get("PIPE_ARMS", "target-deterministic mha-chain-verify-decode-deterministic mha-chain "
                                 "mla-chain-verify-decode-deterministic mla-chain mla-tree-verify-decode "
-                                "mha-chain-deterministic upstream-mha-chain mla-tree mha-tree mha-chain-fp8 "
+                                "mha-chain-extend-deterministic upstream-mha-chain mla-tree mha-tree mha-chain-fp8 "
                                 "mha-chain-no-overlap mha-chain-sampled mla-tree-sampled").split()
         # arms without a head (the target alone, deterministic) run while both heads train; the arms before
         # the first one that needs the MLA head run while that head may still train

@@ -10,9 +10,26 @@ import sys
 import time
 import urllib.request
 
-BASE_ARGS = ["--attention-backend", "triton", "--mem-fraction-static", "0.3", "--max-running-requests", "32",
-             "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32", "--disable-prefill-cuda-graph",
-             "--host", "127.0.0.1", "--log-level", "info"]
+BASE_ARGS = ["--max-running-requests", "32", "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32",
+             "--disable-prefill-cuda-graph", "--host", "127.0.0.1", "--log-level", "info"]
+BACKEND_ENV = "GPU_CHECK_ATTENTION_BACKEND"  # unset: no flag, SGLang's own choice (fa3 for an MLA target on Hopper)
+
+
+def attention_backend() -> str | None:
+    return os.environ.get(BACKEND_ENV) or None
+
+
+def launch_args() -> list[str]:
+    """What every server gets before its own arguments (an arm's own --attention-backend comes later and wins):
+    the attention backend of GPU_CHECK_ATTENTION_BACKEND, and the static memory fraction (GPU_CHECK_MEM_FRACTION,
+    default 0.3) -- with servers started side by side, GPU_CHECK_MAX_TOTAL_TOKENS caps each one's KV pool, since
+    SGLang sizes it from the memory free when it starts."""
+    backend = attention_backend()
+    out = BASE_ARGS + (["--attention-backend", backend] if backend else [])
+    out += ["--mem-fraction-static", os.environ.get("GPU_CHECK_MEM_FRACTION", "0.3")]
+    if os.environ.get("GPU_CHECK_MAX_TOTAL_TOKENS"):
+        out += ["--max-total-tokens", os.environ["GPU_CHECK_MAX_TOTAL_TOKENS"]]
+    return out
 
 
 def port() -> int:
@@ -44,14 +61,16 @@ def group_pids(pgid: int) -> list[int]:
 
 
 class Server:
-    def __init__(self, name: str, args: list[str], env: dict | None = None, log_dir: str = "/tmp/gpu-logs"):
+    def __init__(self, name: str, args: list[str], env: dict | None = None, log_dir: str = "/tmp/gpu-logs",
+                 port_number: int | None = None):
         os.makedirs(log_dir, exist_ok=True)
         self.name, self.log_path = name, os.path.join(log_dir, f"{name}.log")
-        self.url = f"http://127.0.0.1:{port()}"
+        self.port = port_number or port()
+        self.url = f"http://127.0.0.1:{self.port}"
         full_env = dict(os.environ, **(env or {}))
         self.t0 = time.time()
-        self.proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *BASE_ARGS,
-                                      "--port", str(port()), *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *launch_args(),
+                                      "--port", str(self.port), *args],
                                      stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)
 

@@ -1,0 +1,102 @@
+"""The server's startup check: every reason this plugin would refuse the server, found once, in the launching
+process, before any model is built or weight read.
+
+  * ``sglang.srt.server_args.ServerArgs.__post_init__`` (AFTER) -- SGLang loads plugins before it builds its
+    ServerArgs, so this runs when the server's options are parsed: the plugin's options (sglang_ext.settings), the
+    hooks SGLang could not apply, and for an EAGLE3 server with a local draft (or one in the Hugging Face cache) the
+    whole (target, draft) pair -- configs, weight names and shapes (safetensors headers), the aux layers, tensor
+    parallelism, the attention backends, the draft KV dtype. One ConfigError carries everything found.
+
+Where the draft is not readable yet (a hub id to be downloaded), the capture hook (serving/aux_capture.py) resolves
+and checks the aux layers when the target loads.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_ext import checkpoint, settings
+from sglang_ext.config import Eagle3DraftConfig, TargetConfig, kv, pair, resolve_with_errors
+from sglang_ext.errors import ConfigError, combined
+from sglang_ext.serving import hooks
+from sglang_ext.serving.context import local_dir
+from sglang_ext.serving.hooks import Hook
+
+logger = logging.getLogger(__name__)
+
+
+def attention_tp(args) -> int:
+    """Ranks an attention layer's heads are split over (tp / dp under DP attention)."""
+    tp = int(getattr(args, "tp_size", 1) or 1)
+    if getattr(args, "enable_dp_attention", False):
+        tp = max(1, tp // int(getattr(args, "dp_size", 1) or 1))
+    return tp
+
+
+def pair_problems(args, s: settings.Settings) -> tuple[list[ConfigError], list[str]]:
+    """(errors, warnings) of the server's (target, draft) pair; ([], []) when either is not readable here."""
+    if str(getattr(args, "speculative_algorithm", None) or "").upper() != "EAGLE3":
+        return [], []
+    draft_dir = local_dir(getattr(args, "speculative_draft_model_path", None))
+    target_dir = local_dir(getattr(args, "model_path", None))
+    if draft_dir is None or target_dir is None:
+        return [], []
+    target = TargetConfig.load(target_dir)
+    draft = Eagle3DraftConfig.load(draft_dir, strict=False)  # pair_errors lists its errors with the rest
+    shapes = checkpoint.weight_shapes(draft_dir)
+    errors = pair.pair_errors(target, draft, shapes)
+    if not errors:  # head counts a TP size cannot split: named here, not a bare assert in a layer later
+        errors += pair.tp_errors(target, draft, attention_tp(args))
+    backend = getattr(args, "decode_attention_backend", None) or getattr(args, "attention_backend", None)
+    draft_backend = getattr(args, "speculative_draft_attention_backend", None) or backend
+    topk = int(getattr(args, "speculative_eagle_topk", None) or 1)
+    backend_errors, warnings = pair.backend_errors(target, draft, backend, draft_backend, topk,
+                                                   bool(getattr(args, "enable_deterministic_inference", False)))
+    errors += backend_errors
+    target_kv = kv.target_kv_dtype(getattr(args, "kv_cache_dtype", None))
+    if kv.TARGET_KV_DTYPES[target_kv] is not None:
+        errors += kv.kv_dtype_errors(draft, s.draft_kv_dtype, target_kv)
+    _, plan_errors = resolve_with_errors(target, draft, s.aux_layers, checkpoint.fc_in_features(shapes))
+    return errors + plan_errors, warnings
+
+
+def option_problems(args, s: settings.Settings) -> tuple[list[ConfigError], list[str]]:
+    """Options that contradict the server's other arguments."""
+    errors, warnings = [], []
+    spec = getattr(args, "speculative_algorithm", None)
+    if s.adaptive_policy == "cost" and not getattr(args, "speculative_adaptive", False):
+        warnings.append(f"{settings.BY_ATTR['adaptive_policy'].flag} cost has no effect without --speculative-adaptive")
+    if s.draft_kv_dtype is not None and not spec:
+        warnings.append(f"{settings.BY_ATTR['draft_kv_cache_dtype'].flag} {s.draft_kv_cache_dtype} has no effect "
+                        "without --speculative-algorithm")
+    if s.feature_dir:
+        from sglang_ext.serving import feature_capture
+
+        try:
+            feature_capture.check_server(args)
+        except ConfigError as e:
+            errors.append(e)
+    return errors, warnings
+
+
+def validate(args) -> None:
+    """Refuse the server (one ConfigError with every problem) or log the warnings; runs once per launch."""
+    s = settings.current()  # an unknown option value is refused here
+    errors = hooks.missing_symbols(s)
+    found, warnings = option_problems(args, s)
+    errors += found
+    found, more = pair_problems(args, s)
+    errors += found
+    for w in warnings + more:
+        logger.warning("[sglang_ext] %s", w)
+    if errors:
+        raise combined(errors)
+
+
+def post_init_after(result, self, *args, **kwargs):
+    validate(self)
+    return result
+
+
+HOOKS = (Hook("sglang.srt.server_args.ServerArgs.__post_init__", "after", post_init_after,
+              feature="the startup check"),)

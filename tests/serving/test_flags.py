@@ -1,0 +1,87 @@
+"""The plugin's options as real server flags: in `--help`, in a `--config` YAML file, exported to the environment
+the scheduler processes read, ahead of an environment value, and reported in /get_server_info."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from sglang_ext import settings
+from sglang_ext.errors import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PARSE = """
+    import argparse, json, os, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_args_config_parser import ConfigArgumentMerger
+    from sglang_ext import settings
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)          # what prepare_server_args does, without building the ServerArgs
+    argv = ["--model-path", "m", "--config", sys.argv[1], "--speculative-mla-verify", "extend"]
+    argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
+    ns = parser.parse_args(argv)
+    print("RESULT" + json.dumps({"settings": settings.current().to_dict(), "help": parser.format_help(),
+                                 "env": {o.env: os.environ.get(o.env) for o in settings.OPTIONS}}))
+"""
+
+
+def test_flags_in_help_and_config_yaml_reach_the_environment(tmp_path):
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("speculative-adaptive-policy: cost\nspeculative-eagle3-aux-layers: '1,3,5'\n"
+                   "speculative-draft-kv-cache-dtype: fp8_e4m3\n")
+    env = dict(os.environ, SGLANG_EXT_MLA_VERIFY="decode", SGLANG_EXT_ADAPTIVE_DEPTH0="verify")
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(PARSE), str(cfg)], capture_output=True, text=True,
+                       cwd=REPO, env=env, timeout=300)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT")), None)
+    assert line, p.stdout[-2000:] + p.stderr[-3000:]
+    r = json.loads(line[len("RESULT"):])
+    for o in settings.OPTIONS:  # every option, with its variable named
+        assert o.flag in r["help"] and o.env in r["help"], o.flag
+    s = r["settings"]
+    assert s["adaptive_policy"] == "cost" and s["aux_layers"] == "1,3,5" and s["draft_kv_cache_dtype"] == "fp8_e4m3"
+    assert s["mla_verify"] == "extend"  # the flag wins over the variable it aliases
+    assert s["adaptive_depth0"] == "verify"  # a variable alone still works
+    assert r["env"]["SGLANG_EXT_ADAPTIVE_POLICY"] == "cost" and r["env"]["SGLANG_EXT_MLA_VERIFY"] == "extend"
+
+
+def test_a_bad_value_names_the_flag_its_variable_and_the_choices():
+    with pytest.raises(ConfigError) as e:
+        settings.from_environment({"SGLANG_EXT_ADAPTIVE_POLICY": "greedy"})
+    assert e.value.field == "--speculative-adaptive-policy (SGLANG_EXT_ADAPTIVE_POLICY)" and e.value.value == "greedy"
+    assert "upstream, cost" in e.value.fix
+    # registration reads it as the default instead of raising (SGLang's loader would swallow the error)
+    assert settings.from_environment({"SGLANG_EXT_ADAPTIVE_POLICY": "greedy"}, strict=False).adaptive_policy == "upstream"
+    with pytest.raises(ConfigError, match="SGLANG_EXT_AUX_DUMP_MAX"):
+        settings.from_environment({"SGLANG_EXT_AUX_DUMP_MAX": "many"})
+    aliases = settings.from_environment({"SGLANG_EXT_DRAFT_KV_CACHE_DTYPE": "FP8", "SGLANG_EXT_MLA_VERIFY": "off"})
+    assert aliases.draft_kv_dtype == "fp8_e4m3" and aliases.mla_verify == "extend"
+
+
+def test_server_info_reports_the_settings_in_effect(monkeypatch):
+    from sglang_ext.serving import flags
+
+    monkeypatch.setenv("SGLANG_EXT_ADAPTIVE_POLICY", "cost")
+    result = types.SimpleNamespace(internal_state={})
+    flags.internal_state_after(result, None)
+    assert result.internal_state["sglang_ext_settings"]["adaptive_policy"] == "cost"
+    assert json.dumps(result.internal_state)  # JSON, as /get_server_info returns it
+
+
+def test_a_flag_the_parser_already_has_is_left_to_sglang():
+    """A later SGLang release's own --speculative-draft-kv-cache-dtype: the plugin adds only what is missing."""
+    import argparse
+
+    from sglang_ext.serving import flags
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--speculative-draft-kv-cache-dtype")
+    added = flags.add_arguments(p)
+    assert "--speculative-draft-kv-cache-dtype" not in added and len(added) == len(settings.OPTIONS) - 1
+    assert flags.add_arguments(p) == []  # a second call adds nothing

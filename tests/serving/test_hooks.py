@@ -1,0 +1,51 @@
+"""The hook tables: every serving module declares its hooks as data, each names an upstream symbol SGLang 0.5.17
+has, and the opt-in ones are registered only with their option."""
+
+import pytest
+
+from sglang_ext import settings
+from sglang_ext.serving import hooks
+
+pytest.importorskip("sglang")
+
+
+def test_every_declared_hook_names_a_real_sglang_symbol():
+    seen = set()
+    for h in hooks.all_hooks():
+        assert h.kind in ("around", "before", "after"), h
+        assert hooks.resolves(h.target), f"{h.target} is not in this SGLang"
+        assert h.feature, f"{h.target}: say what breaks without it"
+        assert (h.target, h.kind, h.fn) not in seen, f"{h.target} declared twice"
+        seen.add((h.target, h.kind, h.fn))
+        assert hooks.sglang_version() in h.releases
+
+
+@pytest.mark.parametrize("options,extra", [
+    ({}, set()),
+    ({"adaptive_policy": "cost"}, {"AdaptiveStepSlot.update", "build_adaptive_runtime_state",
+                                   "DecodeCudaGraphRunner.__init__"}),
+    ({"adaptive_policy": "cost", "adaptive_depth0": "verify"}, {"AdaptiveStepSlot.update"}),
+    ({"feature_dir": "/tmp/f"}, {"ModelRunner.load_model"}),
+])
+def test_opt_in_hooks_follow_their_options(options, extra):
+    base = {h.target for h in hooks.active_hooks(settings.Settings())}
+    active = {h.target for h in hooks.active_hooks(settings.Settings(**options))}
+    added = {t for t in active - base}
+    assert all(any(t.endswith(e) for t in added) for e in extra), (added, extra)
+    if not options:  # by default: no per-step cost of the opt-in features
+        assert not any("adaptive" in t or "load_model" in t for t in active)
+        assert any(t.endswith("TritonAttnBackend.forward_extend") for t in active)  # MLA verify: on by default
+    assert not any(t.endswith("TritonAttnBackend.forward_extend")
+                   for t in {h.target for h in hooks.active_hooks(settings.Settings(mla_verify="extend"))})
+
+
+def test_every_serving_module_with_a_hook_is_registered():
+    import pkgutil
+
+    import sglang_ext.serving as serving
+
+    declared = {m.__name__.rsplit(".", 1)[1] for m in hooks.modules()}
+    for info in pkgutil.iter_modules(serving.__path__):
+        src = open(f"{serving.__path__[0]}/{info.name}.py").read()
+        if "\nHOOKS = (" in src:
+            assert info.name in declared, f"serving/{info.name}.py declares hooks the plugin does not register"
