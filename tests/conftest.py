@@ -3,14 +3,16 @@ import http.server
 import json
 import os
 import sys
+import subprocess
+import textwrap
 import threading
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_TEST = os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k", "test.jsonl")
+WORKERS = os.path.join(REPO, "tests", "workers")  # scripts the tests run in processes of their own
 
 
 @contextlib.contextmanager
@@ -114,3 +116,16 @@ def run_cli():
                            env=dict(os.environ, SGLANG_EXT_EAGLE3_AUX_LAYERS=""))
         return p.returncode, p.stdout + p.stderr
     return run
+
+
+def run_py(code: str, **env) -> subprocess.CompletedProcess:
+    e = dict(os.environ, **env)
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=REPO,
+                       env=e, timeout=300)
+    return p
+
+
+def _result(p):
+    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT")), None)
+    assert line, p.stdout[-2000:] + p.stderr[-4000:]
+    return json.loads(line[len("RESULT"):])

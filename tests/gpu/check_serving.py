@@ -86,7 +86,7 @@ ARMS["mla-chain-protected"] = ("mla", CHAIN + ["--speculative-adaptive"], {"SGLA
 # default target arm: greedy speculation must then give the target's output exactly, a check bf16 kernel
 # differences cannot blur. "<arm>-deterministic" runs on the server's backend (GPU_CHECK_ATTENTION_BACKEND,
 # else SGLang's default); "-verify-decode-deterministic" on Triton with MLA verify as decode attention (a verify
-# row computed exactly as that token's decode row, tests/test_mla_verify.py) and "-extend-deterministic" on
+# row computed exactly as that token's decode row, tests/serving/test_mla_verify.py) and "-extend-deterministic" on
 # Triton with upstream's verify kernel (what remains without it).
 DETERMINISTIC = {"target-deterministic"}
 ARMS["target-deterministic"] = (None, [], {}, False, None)

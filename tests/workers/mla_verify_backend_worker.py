@@ -1,4 +1,4 @@
-"""Run under TRITON_INTERPRET=1 by tests/test_mla_verify.py (argument `tree` for a draft tree, else a
+"""Run under TRITON_INTERPRET=1 by tests/serving/test_mla_verify.py (argument `tree` for a draft tree, else a
 chain; `deterministic`: SGLang's deterministic mode, verify rows against plain decode rows bit for bit): SGLang 0.5.17's own TritonAttnBackend methods on a target-verify batch of an MLA layer, on the CPU -- upstream's path
 (`init_forward_metadata` + `forward_extend`: the extend kernel) against the plugin's hooks
 (sglang_ext.serving.mla_verify: the same methods, then `forward_decode`: the grouped decode kernel),
@@ -14,7 +14,7 @@ import sys
 import types
 
 assert os.environ.get("TRITON_INTERPRET") == "1"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd  # noqa: E402

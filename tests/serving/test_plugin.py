@@ -3,23 +3,12 @@ a fresh interpreter (sglang 0.5.17 installed), patching the targets' `set_eagle3
 
 import importlib.metadata
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
-from conftest import REPO, write_model_dir
+from conftest import _result, run_py
 
 pytest.importorskip("sglang")
-
-
-def run_py(code: str, **env) -> subprocess.CompletedProcess:
-    e = dict(os.environ, **env)
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=REPO,
-                       env=e, timeout=300)
-    return p
 
 
 def test_entry_point_is_registered():
@@ -83,12 +72,6 @@ PATCHED = """
         out["bad"] = [type(e).__name__, str(e)]
     print("RESULT" + json.dumps(out))
 """
-
-
-def _result(p):
-    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT")), None)
-    assert line, p.stdout[-2000:] + p.stderr[-4000:]
-    return json.loads(line[len("RESULT"):])
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from conftest import WORKERS as HERE  # noqa: E402
 
 
 def test_verify_as_decode_equals_upstreams_extend_kernel():

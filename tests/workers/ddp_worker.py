@@ -11,7 +11,7 @@ import time
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from sglang_ext.config import Eagle3DraftConfig  # noqa: E402
 from sglang_ext.core.heads import Eagle3Head  # noqa: E402
 from training.features import read_shards  # noqa: E402

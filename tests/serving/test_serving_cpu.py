@@ -14,7 +14,7 @@ from sglang_ext.core.accounting import AcceptanceStats, apply_stop_truncation, s
 from sglang_ext.serving import acceptance
 
 sglang = pytest.importorskip("sglang")
-from test_plugin import _result, run_py  # noqa: E402
+from conftest import _result, run_py  # noqa: E402
 
 
 def test_stop_truncation_by_hand():
@@ -247,3 +247,38 @@ def test_adaptive_cost_policy_inside_sglangs_adaptive_controller():
     assert r["batch_1_after_one_step"] == 0 and "no draft accepted in the last 65 request-steps (9 steps)" in r["switch_lines"][0]
     r = _result(run_py(ADAPTIVE, SGLANG_PLUGINS="sglang_eagle3_mla"))  # without the variable: upstream's policy
     assert r["candidates"] == [0, 1, 3, 7]
+
+
+STARTUP = """
+    import json, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import ServerArgs
+    out = {}
+    for name, draft in json.loads(sys.argv[1])["drafts"].items():
+        try:
+            ServerArgs(model_path=json.loads(sys.argv[1])["target"], speculative_algorithm="EAGLE3",
+                       speculative_draft_model_path=draft, device="cpu")
+            out[name] = None
+        except Exception as e:
+            out[name] = [type(e).__name__, getattr(e, "field", None)]
+    print("RESULT" + json.dumps(out))
+"""
+
+
+def test_sglangs_own_server_args_run_the_startup_check(tmp_path):
+    """With the plugin loaded, building SGLang's ServerArgs (what launch_server and Engine do first) refuses a bad
+    pair before any model exists -- and accepts a good one: every hook applied in that process."""
+    from conftest import write_model_dir
+
+    target = write_model_dir(tmp_path / "t", {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 8,
+        "hidden_size": 64, "vocab_size": 100, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+        "v_head_dim": 16, "num_attention_heads": 4, "intermediate_size": 128})
+    drafts = {"good": write_head(tmp_path / "good", "mha", hidden=64, target_hidden=64, vocab=100, draft_vocab=None,
+                                 ids=[1, 3, 5], convention="output"),
+              "bad": write_head(tmp_path / "bad", "mha", hidden=64, target_hidden=64, vocab=128, draft_vocab=None,
+                                ids=[1, 3, 5], convention="output")}
+    code = STARTUP.replace("json.loads(sys.argv[1])", f"json.loads({json.dumps(json.dumps({'target': target, 'drafts': drafts}))})")
+    r = _result(run_py(code))
+    assert r == {"good": None, "bad": ["ConfigError", "draft.vocab_size"]}

@@ -1,4 +1,4 @@
-"""Run under TRITON_INTERPRET=1 (Triton kernels on the CPU) by tests/test_mla_verify.py: a chain verify
+"""Run under TRITON_INTERPRET=1 (Triton kernels on the CPU) by tests/serving/test_mla_verify.py: a chain verify
 batch of an MLA target through SGLang's own kernels, upstream's way (extend_attention_fwd with the
 verify tokens' K/V beside the prefix) and ours (sglang_ext.serving.mla_verify: bs x n decode queries
 through decode_attention_fwd, the grouped MLA kernel), against plain attention. Prints JSON."""
@@ -8,7 +8,7 @@ import os
 import sys
 
 assert os.environ.get("TRITON_INTERPRET") == "1"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd  # noqa: E402
