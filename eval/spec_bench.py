@@ -171,7 +171,9 @@ def upstream_copy(src: str, dst: str) -> None:
 
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
-    cfg = json.load(open(os.path.join(dst, "config.json")))
+    from sglang_ext.config.values import load_json
+
+    cfg = load_json(dst)
     eagle = cfg["eagle_config"]
     eagle["eagle_aux_hidden_state_layer_ids"] = from_output_ids(eagle["eagle_aux_hidden_state_layer_ids"], "sglang")
     eagle.pop("aux_layer_convention", None)

@@ -305,8 +305,10 @@ def widen_kv_latent(model_dir: str, kv_lora_rank: int = 512) -> int:
 
     from safetensors.torch import load_file, save_file
 
+    from sglang_ext.config.values import load_json
+
     cfg_path = os.path.join(model_dir, "config.json")
-    cfg = json.load(open(cfg_path))
+    cfg = load_json(cfg_path)
     old = int(cfg["kv_lora_rank"])
     if kv_lora_rank == old:
         return old
@@ -339,8 +341,10 @@ def save(student, tokenizer, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": tokenizer.eos_token_id, "do_sample": False}, f)
+    from sglang_ext.config.values import load_json
+
     cfg_path = os.path.join(out_dir, "config.json")
-    cfg = json.load(open(cfg_path))
+    cfg = load_json(cfg_path)
     for k, v in SGLANG_FIELDS.items():  # fields SGLang's DeepseekV2 reads that transformers may drop
         cfg.setdefault(k, v)
     json.dump(cfg, open(cfg_path, "w"), indent=2)

@@ -393,10 +393,12 @@ def export_dir_problem(out: str) -> str | None:
     if os.path.lexists(out) and not os.path.isdir(out):
         return f"{out} exists and is not a directory"
     if os.path.isdir(out) and os.listdir(out):
+        from sglang_ext.config.values import load_json
+
         try:
-            cfg = json.load(open(os.path.join(out, "config.json")))
-            ours = "eagle_config" in cfg or any("Eagle3" in a for a in cfg.get("architectures") or [])
-        except (OSError, ValueError, AttributeError):
+            cfg = load_json(out)
+            ours = "eagle_config" in cfg or any("Eagle3" in str(a) for a in cfg.get("architectures") or [])
+        except (ValueError, TypeError):  # ConfigError included: no, or no readable, config.json
             ours = False
         if not ours:
             return f"{out} holds files that are not an Eagle3 export; give a new or empty directory"

@@ -59,6 +59,7 @@ class Ledger:
         self.lock = threading.Lock()
         self.finished = AcceptanceStats(_configured_depth())  # finished requests, corrected
         self.requests = 0
+        self.aborted = 0  # requests aborted (client gone, AbortReq, errors): no meta_info, none of their steps counted
         self.discarded_drafts = 0  # accepted by the target after the request's stop: not emitted
         self.interval = AcceptanceStats(_configured_depth())  # live rows since the last log line
         self._metrics = None
@@ -84,10 +85,20 @@ class Ledger:
         if is_reporting_rank():
             self._export(req, discarded)
 
+    def add_aborted(self) -> None:
+        with self.lock:
+            self.aborted += 1
+        if is_reporting_rank():
+            args = _server_args()
+            if args is not None and getattr(args, "enable_metrics", False):
+                m = self._metrics or self._make_metrics(args)
+                m["aborted"].labels(model_name=args.served_model_name or args.model_path).inc()
+
     def to_dict(self) -> dict:
         with self.lock:
             d = self.finished.to_dict()
-            d.update(finished_requests=self.requests, discarded_drafts=self.discarded_drafts,
+            d.update(finished_requests=self.requests, aborted_requests=self.aborted,
+                     discarded_drafts=self.discarded_drafts,
                      definition="a = drafts accepted and emitted per verify step, bonus token excluded; "
                                 "completion_tokens = sum(a + 1) + 1 per request (docs/metrics.md)")
             return d
@@ -119,6 +130,7 @@ class Ledger:
         base = ["model_name"]
         self._metrics = {
             "requests": Counter(METRIC_PREFIX + "requests", "Finished requests counted", base),
+            "aborted": Counter(METRIC_PREFIX + "aborted_requests", "Aborted requests (not in the other counters)", base),
             "verify_steps": Counter(METRIC_PREFIX + "verify_steps", "Verify steps of finished requests", base),
             "accepted_drafts": Counter(METRIC_PREFIX + "accepted_drafts",
                                        "Draft tokens accepted and emitted (bonus token excluded)", base),
@@ -151,12 +163,21 @@ def update_histogram(original_fn, self, num_correct_drafts, *args, **kwargs):
     return original_fn(self, num_correct_drafts, *args, **kwargs)
 
 
+def _aborted(req) -> bool:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return isinstance(getattr(req, "finished_reason", None), FINISH_ABORT)
+
+
 def update_finish_state(original_fn, self, *args, **kwargs):
     was_finished = self.finished()
     out = original_fn(self, *args, **kwargs)
     if was_finished or not self.finished() or getattr(self, "_sglang_ext_counted", False):
         return out
     self._sglang_ext_counted = True
+    if _aborted(self):
+        ledger().add_aborted()
+        return out
     if self.spec_verify_ct <= 0:  # finished in prefill (or speculation off): no verify step
         if getattr(_server_args(), "speculative_algorithm", None):
             ledger().add_request([], 0)

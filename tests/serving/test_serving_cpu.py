@@ -65,11 +65,11 @@ REQ = """
     from array import array
     from sglang.srt.plugins import load_plugins
     load_plugins()
-    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang_ext.serving import acceptance
 
-    def run(steps, max_new, stop=None, tokens=None):
+    def run(steps, max_new, stop=None, tokens=None, abort_at=None):
         sp = SamplingParams(max_new_tokens=max_new, temperature=0, stop_token_ids=stop)
         sp.normalize(None)
         r = Req("r", "", array("i", [5, 6, 7]), sp, vocab_size=100)
@@ -79,13 +79,15 @@ REQ = """
                 break
             r.spec_verify_ct += 1; r.spec_num_correct_drafts += a; r.update_spec_correct_drafts_histogram(a)
             run_tokens = (tokens or {}).get(k, [20] * (a + 1))
+            if k == abort_at:  # the client went away (AbortReq): the scheduler finishes it as aborted
+                r.to_finish = FINISH_ABORT()
             r.output_ids.extend(run_tokens); r.update_finish_state(a + 1)
         return [r.finished(), len(r.output_ids_through_stop), r.spec_num_correct_drafts, r.spec_verify_ct,
                 list(r.spec_correct_drafts_histogram)]
 
     out = {"length": run([3, 0, 2, 3], 10),
            "eos": run([3, 3], 50, stop=[99], tokens={1: [20, 99, 20, 20]}),
-           "exact": run([3, 3], 9)}
+           "exact": run([3, 3], 9), "aborted": run([3, 3, 3], 50, abort_at=1)}
     out["ledger"] = acceptance.ledger().to_dict()
     print("RESULT" + json.dumps(out))
 """
@@ -102,6 +104,9 @@ def test_real_requests_that_stop_inside_an_accepted_run():
     for _, completion, accepted, steps, _ in (r["length"], r["eos"], r["exact"]):
         assert completion == accepted + steps + 1  # the invariant, per request
     led = r["ledger"]
+    # an aborted request gets no meta_info: it is counted as aborted, and none of its steps in the totals, so that
+    # /metrics and /get_server_info still equal the sum of what the clients received
+    assert r["aborted"][0] is True and led["aborted_requests"] == 1
     assert led["finished_requests"] == 3 and led["accepted_drafts"] == 5 + 4 + 6 and led["verify_steps"] == 8
     assert led["discarded_drafts"] == 3 + 2
     assert led["histogram_counts"] == [2, 1, 1, 4]
