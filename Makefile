@@ -10,7 +10,7 @@ DATA    ?=
 LIMIT   ?= 30
 EVAL_OUT ?= out/eval-gsm8k
 
-.PHONY: install test test-fast serve inspect train-draft scale-target eval-gsm8k bench gpu-prepare
+.PHONY: install test test-fast serve inspect train-draft scale-target eval-gsm8k bench
 
 install:  ## create .venv and install the package with SGLang 0.5.17 and the test tools
 	python3 -m venv .venv
@@ -52,6 +52,3 @@ scale-target:  ## a DeepseekV3 (MLA) imitation of SmolLM2-135M-Instruct, distill
 bench:  ## serving benchmark, spec vs no spec: make bench BASE_URL=... NOSPEC_URL=... TOKENIZER=...
 	$(PY) -m eval.bench --base-url $(BASE_URL) $(if $(NOSPEC_URL),--nospec-url $(NOSPEC_URL)) \
 	  --tokenizer $(or $(TOKENIZER),$(TARGET)) --out out/bench $(BENCH_ARGS)
-
-gpu-prepare:  ## stage SGLang 0.5.17 + this wheel in .devbundle/ for a lent GPU (../shared/device/README.md)
-	bash ../shared/device/prepare.sh .

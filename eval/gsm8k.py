@@ -27,9 +27,8 @@ from tqdm import tqdm
 from sglang_ext.core.accounting import AcceptanceStats, accepted_drafts_per_step_se
 from sglang_ext.http_client import ServerRefused, get_json, post_json
 from eval.report import write_reports
+from sglang_ext.data import HUB_GSM8K, gsm8k as packaged_gsm8k
 
-SHARED = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
-                                       "gsm8k"))
 # a number starts with a digit that does not continue one ("1.2.3" is not "1.2" then ".3"); commas only as thousands
 # separators ("1,000", not the list "1,2,3")
 NUM = r"(?<!\d)(?<!\d\.)-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)"  # ".75" too
@@ -73,9 +72,9 @@ def reference_answer(answer: str) -> str | None:
 
 
 def load_gsm8k(path: str | None, split: str, limit: int | None) -> tuple[list[dict], int]:
-    """Rows with question/answer and the number of malformed lines skipped. `path` None: the local
-    shared copy if present, else `datasets` (openai/gsm8k)."""
-    local = path or os.path.join(SHARED, f"{split}.jsonl")
+    """Rows with question/answer and the number of malformed lines skipped. `path` None: the packaged copy
+    (sglang_ext/data); "openai/gsm8k": the same data through `datasets`."""
+    local = packaged_gsm8k(split) if path is None else path
     rows, bad = [], 0
     if os.path.exists(local):
         with open(local) as f:
@@ -93,7 +92,7 @@ def load_gsm8k(path: str | None, split: str, limit: int | None) -> tuple[list[di
                 if limit and len(rows) >= limit:
                     break
         return rows, bad
-    if path:
+    if path != HUB_GSM8K:
         raise FileNotFoundError(f"--data-path {path} does not exist")
     import datasets
 
@@ -295,7 +294,7 @@ def parse_args(argv=None):
     ap.add_argument("--num-steps", type=int, default=3)
     ap.add_argument("--topk", type=int, default=1)
     ap.add_argument("--num-draft-tokens", type=int)
-    ap.add_argument("--data-path", help="GSM8K test JSONL (default: ../shared/data/gsm8k/test.jsonl, else datasets)")
+    ap.add_argument("--data-path", help=f"GSM8K test JSONL (default: the packaged copy; {HUB_GSM8K}: through datasets)")
     ap.add_argument("--fewshot-path", help="JSONL the exemplars come from (default: the train split)")
     ap.add_argument("--num-shots", type=int, default=5)
     ap.add_argument("--limit", type=int, default=20)
@@ -316,7 +315,7 @@ def parse_args(argv=None):
         ap.error("--compare with --base-url needs --compare-base-url (the server without speculation)")
     for name in ("data_path", "fewshot_path"):
         path = getattr(args, name)
-        if path and not os.path.exists(path):
+        if path and path != HUB_GSM8K and not os.path.exists(path):
             ap.error(f"--{name.replace('_', '-')} {path}: no such file (a GSM8K JSONL; leave it out for the default)")
     if not args.base_url and not os.path.exists(os.path.join(args.draft, "config.json")):
         ap.error(f"--draft {args.draft}: no exported head there; run `make train-draft` first")

@@ -69,12 +69,12 @@ ARMS = {
     "zero-accept-protected-decode0": ("mha", CHAIN + ["--speculative-adaptive"],
                                       {"SGLANG_EXT_ADAPTIVE_POLICY": "cost",
                                        "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND": "1"}, False),
-    # the protection as shipped since session 11, at zero acceptance: depth 0's draft extend only in the steps
+    # the protection as shipped, at zero acceptance: depth 0's draft extend only in the steps
     # before a probe (SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND unset = warm); the arm above never runs it
     "zero-accept-protected-warm": ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"},
                                    False),
     # the protection at the synthetic acceptance of the chain arms: it must keep the gain where drafting pays
-    # and stop where it does not (depth 0's draft extend as shipped: since session 11 only before a probe)
+    # and stop where it does not (depth 0's draft extend as shipped: only before a probe)
     "chain-protected-decode0": ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"},
                                 True),
     # the protection where drafting barely pays: 0.5 accepted drafts per step (SGLang's "match-expected" sampling
@@ -357,7 +357,7 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
             row["error"] = f"server did not start: {srv.last_error()}\n{srv.log()[-3000:]}"
             return row
         row["start_s"] = srv.ready_s
-        # first-use kernel compiles, not timed: a batched prefill and a single one (in session 10 the first
+        # first-use kernel compiles, not timed: a batched prefill and a single one (in an earlier run the first
         # request at concurrency 1 still waited 0.3-0.45 s for its first token after only the batched warm-up)
         measure(srv.url, prompts(8, input_len, seed=99), 8, [32] * 8)
         measure(srv.url, prompts(1, input_len, seed=98), 1, [32])
@@ -457,6 +457,35 @@ def compare_arms(arms: list[str], levels: list[int], repeats: int, input_len: in
             if adaptive:
                 rows[arm]["adaptive"] = adaptive
     return rows
+
+
+def compare_table(state: dict, arms: list[str], reference: str) -> str:
+    """A markdown table of `arms` (as `compare` measured them): median output tokens/s (min-max over repeats) at
+    each level, and the median's ratio to `reference`'s."""
+    rows = state.get("arms", {})
+    missing = [a for a in [reference, *arms] if a not in rows]
+    if missing:
+        raise SystemExit(f"not in the state: {missing}; measured: {sorted(rows)}")
+    levels = sorted({int(c) for a in arms for c in rows[a].get("levels", {})})
+
+    def med(arm, c):
+        runs = rows[arm].get("levels", {}).get(str(c))
+        return statistics.median(r["output_tokens_per_s"] for r in runs) if runs else None
+
+    out = ["| arm | " + " | ".join(f"c = {c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+    for arm in arms:
+        cells = []
+        for c in levels:
+            runs = rows[arm].get("levels", {}).get(str(c))
+            if not runs:
+                cells.append("—")
+                continue
+            tps = [r["output_tokens_per_s"] for r in runs]
+            ref = med(reference, c)
+            ratio = "" if arm == reference or not ref else f", {statistics.median(tps) / ref:.3f}x"
+            cells.append(f"{statistics.median(tps):,.0f} ({min(tps):,.0f}-{max(tps):,.0f}{ratio})")
+        out.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def profile_levels_of(spec: str | None, arm: str) -> set[int]:
@@ -737,6 +766,10 @@ def main(argv=None) -> int:
                       help="per server; each pool is capped by --max-total-tokens")
     cmp_.add_argument("--max-total-tokens", type=int, default=131072)
     cmp_.add_argument("--port", type=int, default=30277)
+    tb = sub.add_parser("table", help="a markdown table of measured arms against one of them")
+    tb.add_argument("arms", nargs="+")
+    tb.add_argument("--reference", required=True, help="the arm the ratios are to")
+    tb.add_argument("--state", default=None, help="a state.json (default: the work directory's)")
     rp = sub.add_parser("report")
     rp.add_argument("--out", default="docs/benchmarks.md")
     al = sub.add_parser("all", help="build, run ARMS (default: all, in priority order) and report")
@@ -774,8 +807,11 @@ def main(argv=None) -> int:
         if todo:
             main(["run", *todo, *run_opts])
         return main(["report", "--out", args.out])
-    state_path = f"{WORK}/state.json"
+    state_path = getattr(args, "state", None) or f"{WORK}/state.json"
     state = json.load(open(state_path)) if os.path.exists(state_path) else {}
+    if args.cmd == "table":
+        print(compare_table(state, args.arms, args.reference))
+        return 0
     if args.cmd == "build":
         state["build"] = build(args.layers)
         print(json.dumps(state["build"]))

@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import save_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GSM8K_TEST = os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k", "test.jsonl")
+GSM8K_TEST = os.path.join(REPO, "sglang_ext", "data", "gsm8k", "test.jsonl")  # the packaged copy
 WORKERS = os.path.join(REPO, "tests", "workers")  # scripts the tests run in processes of their own
 
 

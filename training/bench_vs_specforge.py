@@ -5,7 +5,7 @@ random aux / final hidden states are needed, as in offline training).
 
 Ours: `training.trainer.ttt_loss` (bf16 autocast, fp32 master weights) + backward + clip + AdamW, its
 inputs held as `training.trainer.train` holds them (bf16 hidden states resident on the GPU, the lm_head
-rows cast to bf16 once); SpecForge gets the same bf16 tensors on the GPU. (Session 8's and 9's runs gave
+rows cast to bf16 once); SpecForge gets the same bf16 tensors on the GPU. (The runs of 2026-11-30 gave
 ours fp32 features on the host, pinned and copied at every step: a cost the trainer does not pay.)
 SpecForge's: `LlamaForCausalLMEagle3` -> `OnlineEagle3Model` (TTT unroll) ->
 `Eagle3TrainStrategy.forward_loss` (its offline path, `target_repr=hidden_state`, TargetHead) ->
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     # both trainers live at once and their steps alternate, so that whatever else the GPU and host do
     # (another process, clocks) weighs on both alike
     steps = {"ours": ours(shape, args.seq_len, args.ttt, device)}
-    if args.dense_too:  # the unroll's attention as one dense masked attention (before session 8)
+    if args.dense_too:  # the unroll's attention as one dense masked attention (our step before 2026-11-30)
         steps["ours, dense TTT attention"] = ours(shape, args.seq_len, args.ttt, device, fused_attention=False)
     if not args.ours_only:
         backend = args.specforge_backend if device.type == "cuda" else "sdpa"

@@ -4,7 +4,7 @@ GSM8K questions. Roles are normalised to system/user/assistant; malformed rows a
 counted, never fatal.
 
 A source spec is `kind:where[:limit]`, e.g. `sharegpt:pkg:200`, `sharegpt:/data/sg.json`,
-`messages:/data/chat.jsonl:1000`, `gsm8k:../shared/data/gsm8k/train.jsonl:200`,
+`messages:/data/chat.jsonl:1000`, `gsm8k:/data/gsm8k/train.jsonl:200`,
 `hf:HuggingFaceH4/ultrachat_200k:500` (through `datasets`, where the network allows).
 """
 

@@ -7,7 +7,7 @@ block at t+1, the default) and `fit0` (fitted at t). Prints one JSON line per ar
     make train-draft WORK=/tmp/ex/work DRAFT=/tmp/ex/draft TRAIN_ARGS='--max-steps 2'     # features (~16 min)
     python -m training.exp_attention_init --features /tmp/ex/work/features random,fit,copied   # ~9 min an arm
 
-A research script, not part of the pipeline; docs/validation.md (session 14) has its figures.
+A research script, not part of the pipeline; docs/results.md ("The MHA head's attention under an MLA target") has its figures.
 """
 
 from __future__ import annotations

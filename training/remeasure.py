@@ -7,7 +7,7 @@ pair the two per prompt.
 The report's figure is one measurement (another precision, device or batch parts greedy outputs, and a parted prompt
 accepts differently from there on), so "the same" means within the paired noise: |difference| <= 2 paired standard
 errors (docs/metrics.md). Exit status 0 when within it, 1 when not, 2 on bad input -- including prompts that are not
-the report's (each reported prompt keeps a digest of its token ids; reports before session 20 have none).
+the report's (each reported prompt keeps a digest of its token ids; reports written before 2026-12-02 have none).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def reference_of(draft: str) -> dict:
         raise RemeasureError(f"{path}: not a training report ({e}); re-export the head with training.train_draft")
     trained = acc.get("trained") or {}
     if not trained.get("per_prompt"):
-        raise RemeasureError(f"{path}: acceptance.trained.per_prompt is missing (reports before session 17 kept "
+        raise RemeasureError(f"{path}: acceptance.trained.per_prompt is missing (reports written before 2026-12-01 kept "
                              "totals only, and a --target-weights-only run has no estimate): nothing to pair against")
     for field in ("eval_data", "prompts", "chain_steps", "max_new_tokens"):
         if field not in acc:
@@ -70,7 +70,7 @@ def eval_source(acc: dict, override: str | None) -> str:
             raise RemeasureError(f"--eval-data {src!r}: no such file; give the report's GSM8K file "
                                  f"(its acceptance.eval_data was {acc['eval_data']!r})")
         raise RemeasureError(f"acceptance.eval_data {src!r} is not readable here; pass the same file with "
-                             "--eval-data (e.g. ../shared/data/gsm8k/test.jsonl)")
+                             "--eval-data (e.g. the packaged GSM8K test split, sglang_ext/data/gsm8k/test.jsonl)")
     return src
 
 

@@ -450,8 +450,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout-windows", type=int, default=16 if gpu else 4)
     ap.add_argument("--max-minutes", type=float, default=None, help="stop distilling after this long")
     ap.add_argument("--gsm8k-examples", type=int, default=3)
-    ap.add_argument("--gsm8k-data", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                         "..", "shared", "data", "gsm8k", "test.jsonl"))
+    from sglang_ext.data import gsm8k
+
+    ap.add_argument("--gsm8k-data", default=gsm8k("test"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if gpu else "cpu")
     args = ap.parse_args(argv)

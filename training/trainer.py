@@ -232,7 +232,7 @@ def target_logits(final: torch.Tensor, lm_rows: torch.Tensor, autocast: bool) ->
     """The target's fp32 logits over the draft vocabulary from its final hidden states. Under bf16 autocast on
     a GPU: one bf16 GEMM with an fp32 output. The hidden states and lm_head rows of a bf16 target are exact
     in bf16, so only the accumulation matters, and it stays fp32; the fp32 GEMM of the same product took
-    10.8 ms of a 140 ms step at 8B shapes (H200, session 9)."""
+    10.8 ms of a 140 ms step at 8B shapes (H200, 2026-11-30)."""
     if autocast and final.is_cuda:
         a = final.reshape(-1, final.shape[-1]).to(torch.bfloat16)
         out = torch.mm(a, lm_rows.to(torch.bfloat16).T, out_dtype=torch.float32)  # torch >= 2.8 (pinned: 2.11)
@@ -323,7 +323,7 @@ def fit_total(step: int, planned: int, seconds_left: float, seconds_per_step: fl
     """The optimizer steps a time-limited run can still finish: the planned schedule, or fewer when the
     measured pace says the time limit comes first (at least one more step). The cosine schedule is then
     laid over what will really run, so the learning rate has decayed when time is up instead of being
-    cut off half-way (session 5: both heads stopped at 42-45% of their schedules, lr 1.2e-3 of 2e-3)."""
+    cut off half-way (seen on an H200: both heads stopped at 42-45% of their schedules, lr 1.2e-3 of 2e-3)."""
     if seconds_per_step <= 0:
         return planned
     return max(step + 1, min(planned, step + int(seconds_left / seconds_per_step)))
@@ -451,7 +451,7 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     would, after writing a checkpoint). Returns the final metrics."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     device = next(head.parameters()).device
-    entered = time.monotonic()  # what precedes the first step (session 16, two trainers on one H200: ~140 s)
+    entered = time.monotonic()  # what precedes the first step (two trainers on one H200: ~140 s)
     records = resident_on_device(records, device)
     if records and records[0].aux.is_cuda:
         log(f"hidden states of {len(records)} conversations resident on {device} "
@@ -491,7 +491,7 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     if checkpoint_dir and resume and os.path.exists(os.path.join(checkpoint_dir, "state.safetensors")):
         saved = checkpoint_meta(checkpoint_dir)
         old = json.loads(json.dumps(saved.get("identity") or {}))
-        old.get("train_config", {}).pop("checkpoint_every", None)  # not part of a run's identity since session 18
+        old.get("train_config", {}).pop("checkpoint_every", None)  # not part of a run's identity since 2026-12-01
         differ = identity_differences(old, json.loads(json.dumps(identity)))
         if differ:
             raise ValueError(f"checkpoint {checkpoint_dir} was written by a run with other options or data ("

@@ -104,7 +104,7 @@ def slot_update(original_fn, self, num_correct_drafts_per_req):
     return False
 
 
-SUMMARY_EVERY_S = 10.0  # a benchmark level lasts seconds: 30 s left most unsummarised (session 9)
+SUMMARY_EVERY_S = 10.0  # a benchmark level lasts seconds: at 30 s most levels went unsummarised
 
 
 def _summary(slot, policy: CostModelPolicy, depth: int, batch: int) -> str | None:
@@ -157,15 +157,16 @@ def _validated(cfg: dict, original_fn):
 
 
 BATCH_RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+ON = "--speculative-adaptive-policy cost"  # the option that registers these hooks
 HOOKS = (
     Hook("sglang.srt.speculative.adaptive_spec_params.AdaptiveStepSlot.update", "around", slot_update,
-         when=requested, feature="the cost policy's depth decisions"),
+         when=requested, option=ON, feature="the cost policy's depth decisions"),
     Hook("sglang.srt.speculative.adaptive_spec_params._load_adaptive_config", "around", load_adaptive_config,
-         when=requested, feature="the cost policy's depth candidates"),
-    Hook(f"{BATCH_RESULTS}._resolve_spec_v2_tokens", "before", resolve_spec_tokens_before, when=requested,
+         when=requested, option=ON, feature="the cost policy's depth candidates"),
+    Hook(f"{BATCH_RESULTS}._resolve_spec_v2_tokens", "before", resolve_spec_tokens_before, when=requested, option=ON,
          feature="the cost policy's step clock"),
-    Hook(f"{BATCH_RESULTS}.process_batch_result_prefill", "after", other_batch_after, when=requested,
+    Hook(f"{BATCH_RESULTS}.process_batch_result_prefill", "after", other_batch_after, when=requested, option=ON,
          feature="the cost policy's step clock"),
-    Hook(f"{BATCH_RESULTS}.process_batch_result_idle", "after", other_batch_after, when=requested,
+    Hook(f"{BATCH_RESULTS}.process_batch_result_idle", "after", other_batch_after, when=requested, option=ON,
          feature="the cost policy's step clock"),
 )

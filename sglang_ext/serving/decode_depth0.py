@@ -233,10 +233,11 @@ def _requested(s: settings.Settings) -> bool:
     return adaptive.requested(s) and s.adaptive_depth0 == "decode"
 
 
+ON = "--speculative-adaptive-policy cost (depth 0: decode)"  # the option that registers these hooks
 HOOKS = (
-    Hook(f"{WORKER}.build_adaptive_runtime_state", "around", build_runtime_state, when=_requested,
+    Hook(f"{WORKER}.build_adaptive_runtime_state", "around", build_runtime_state, when=_requested, option=ON,
          feature="depth 0 as a plain decode step"),
-    Hook(f"{RUNNER}.__init__", "around", runner_init, when=_requested, feature="depth 0 as a plain decode step"),
-    Hook(f"{WORKER}.forward_batch_generation", "around", forward_batch_generation, when=_requested,
+    Hook(f"{RUNNER}.__init__", "around", runner_init, when=_requested, option=ON, feature="depth 0 as a plain decode step"),
+    Hook(f"{WORKER}.forward_batch_generation", "around", forward_batch_generation, when=_requested, option=ON,
          feature="depth 0 as a plain decode step"),
 )

@@ -134,4 +134,4 @@ def after_load_model(result, self, *args, **kwargs):
 
 
 HOOKS = (Hook("sglang.srt.model_executor.model_runner.ModelRunner.load_model", "after", after_load_model,
-              when=lambda s: bool(s.feature_dir), feature="the feature server"),)
+              when=lambda s: bool(s.feature_dir), option="--eagle3-feature-dir", feature="the feature server"),)

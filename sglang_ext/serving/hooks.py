@@ -29,6 +29,7 @@ class Hook:
     releases: tuple[str, ...] = SUPPORTED_RELEASES  # SGLang releases this hook is written for
     when: Callable[[Settings], bool] | None = None  # registered only where this holds (opt-in features)
     feature: str = ""  # what breaks without it (named when its symbol is missing)
+    option: str = ""  # with `when`: the option that turns it on, as users write it
 
     def applies(self, settings: Settings) -> bool:
         return self.when is None or bool(self.when(settings))
@@ -109,3 +110,15 @@ def missing_symbols(settings: Settings, is_applied: Callable[[str], bool] = appl
 def import_target_module(target: str):
     """The module a target lives in (tests import it to check every table names a real symbol)."""
     return importlib.import_module(target.rsplit(".", 2)[0])
+
+
+def inventory_markdown() -> str:
+    """The table of every hooked upstream symbol (docs/design.md carries it; a test keeps the two equal)."""
+    rows = ["| upstream symbol (SGLang) | hook | module | releases | registered | what it is for |",
+            "|---|---|---|---|---|---|"]
+    for m in modules():
+        for h in m.HOOKS:
+            when = "always" if h.when is None else f"with {h.option}"
+            rows.append(f"| `{h.target.removeprefix('sglang.srt.')}` | {h.kind} | `{m.__name__.rsplit('.', 1)[1]}` | "
+                        f"{', '.join(h.releases)} | {when} | {h.feature} |")
+    return "\n".join(rows)

@@ -222,13 +222,14 @@ def _requested(s: settings.Settings) -> bool:
     return s.mla_verify != "extend"
 
 
+ON = "--speculative-mla-verify auto (the default) or decode"  # the option that registers these hooks
 HOOKS = (
     Hook("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_cuda_graph_state", "after",
-         init_cuda_graph_state_after, when=_requested, feature="MLA verify as decode attention (Triton)"),
+         init_cuda_graph_state_after, when=_requested, option=ON, feature="MLA verify as decode attention (Triton)"),
     Hook("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_forward_metadata", "after",
-         init_forward_metadata_after, when=_requested, feature="MLA verify as decode attention (Triton)"),
+         init_forward_metadata_after, when=_requested, option=ON, feature="MLA verify as decode attention (Triton)"),
     Hook("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_forward_metadata_out_graph", "after",
-         init_forward_metadata_out_graph_after, when=_requested, feature="MLA verify as decode attention (Triton)"),
+         init_forward_metadata_out_graph_after, when=_requested, option=ON, feature="MLA verify as decode attention (Triton)"),
     Hook("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend", "around", forward_extend,
-         when=_requested, feature="MLA verify as decode attention (Triton)"),
+         when=_requested, option=ON, feature="MLA verify as decode attention (Triton)"),
 )

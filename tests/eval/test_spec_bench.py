@@ -311,3 +311,16 @@ def test_side_by_side_arms_are_measured_in_rotating_order_on_their_own_servers(m
     assert "server died" in rows["nospec"]["error"] and len(rows["nospec"]["levels"]["1"]) == 1
     assert rows["plugin-mla-chain"]["pool"]["draft_bytes_per_token"] == 4096
     assert rows["nospec"]["side_by_side"] == ["upstream-mla-chain", "plugin-mla-chain", "nospec"]
+
+
+def test_the_side_by_side_table_gives_medians_their_spread_and_ratios():
+    def runs(*tps):
+        return [{"output_tokens_per_s": t} for t in tps]
+
+    state = {"arms": {"upstream-mla-chain": {"levels": {"1": runs(400, 410, 420), "16": runs(5000, 5100, 5200)}},
+                      "plugin-mla-chain": {"levels": {"1": runs(390, 400, 430), "16": runs(4900, 5100, 5300)}}}}
+    table = sb.compare_table(state, ["upstream-mla-chain", "plugin-mla-chain"], "upstream-mla-chain")
+    assert "| upstream-mla-chain | 410 (400-420) | 5,100 (5,000-5,200) |" in table
+    assert "| plugin-mla-chain | 400 (390-430, 0.976x) | 5,100 (4,900-5,300, 1.000x) |" in table
+    with pytest.raises(SystemExit, match="nospec"):
+        sb.compare_table(state, ["nospec"], "upstream-mla-chain")

@@ -3,7 +3,7 @@ issue): per arm, greedy outputs token for token (a parting scored by the first r
 gap there, as check_serving scores partings), and accepted drafts per step and per-position counts.
 
     # all of it, with the benchmark arms at TP=1 and TP=2 too: bash tests/gpu/launch_tp.sh
-    # by hand, on nvidia-h200-x2, after `bash .devbundle/install.sh` (see docs/validation.md)
+    # by hand, on nvidia-h200-x2, after `bash .devbundle/install.sh` (docs/results.md, "Tensor parallelism")
     ARMS="target mha-chain mla-chain mha-tree mla-tree"
     GPU_CHECK_WORK=/tmp/tp1 python tests/gpu/check_serving.py $ARMS && cp /tmp/tp1/state.json /tmp/tp1.json
     GPU_CHECK_RESTORE=/tmp/tp1 GPU_CHECK_WORK=/tmp/tp2 GPU_CHECK_TP=2 GPU_CHECK_NO_TRAIN=1 \\

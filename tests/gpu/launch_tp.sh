@@ -49,7 +49,7 @@ if [ "$1" = "watch" ]; then watch "${2:-540}"; exit 0; fi
 # TP=1 on GPU 0, then TP=2: SGLang's deterministic mode (at TP > 1 it sets NCCL_ALGO=allreduce:tree), so that
 # speculation at TP=2 is compared with its own TP=2 target token for token, and TP=2 with TP=1 (where the
 # target's own reductions differ) scored by TP=1's gaps. Sessions 6-7 ran MHA chain (default mode), MLA chain,
-# MHA tree and MLA tree at TP=2 (docs/validation.md); what they did not reach: fp8 draft KV at TP=2, and MHA
+# MHA tree and MLA tree at TP=2 (docs/results.md); what they did not reach: fp8 draft KV at TP=2, and MHA
 # chain in deterministic mode.
 export GPU_CHECK_ATTENTION_BACKEND=${GPU_CHECK_ATTENTION_BACKEND:-triton}  # the TP figures were taken on Triton
 ARMS=${TP_ARMS:-"target-deterministic mha-chain-fp8-verify-decode-deterministic mha-chain-verify-decode-deterministic"}

@@ -73,7 +73,7 @@ DATA = os.environ.get("GPU_DATA", os.path.join(REPO, ".gpu-state", "data"))
 os.environ.setdefault("GPU_CHECK_TARGET", TARGET)
 os.environ.setdefault("GPU_CHECK_WORK", CHECK_WORK)
 os.environ.setdefault("GPU_CHECK_EXTRA_ARGS", "--enable-fp32-lm-head")
-# the pipeline's figures (docs/validation.md, the scale target) were taken on Triton: its arms keep that backend
+# the pipeline's figures (docs/results.md, the MLA scale target) were taken on Triton: its arms keep that backend
 os.environ.setdefault("GPU_CHECK_ATTENTION_BACKEND", "triton")
 DEADLINE = float(os.environ.get("PIPE_DEADLINE", time.time() + 3600))
 # steps a session that measured them already may leave out (comma-separated): gsm8k (the GSM8K evals),

@@ -41,7 +41,7 @@ def tp_args(tp: int) -> list[str]:
     """--tp-size, and at TP > 1 FlashInfer's all-reduce fusion off: on the lent nvidia-h200-x2 (a Firecracker VM,
     NVLink multicast disabled) SGLang 0.5.17 auto-enables it for DeepseekV3 targets and then hangs for good after
     setting up its TRTLLM workspace (SymmDeviceMemory), with or without --disable-custom-all-reduce (session 6,
-    docs/validation.md). With the fusion off TP=2 serves."""
+    docs/results.md, "Tensor parallelism"). With the fusion off TP=2 serves."""
     return ["--tp-size", str(tp)] + (["--enforce-disable-flashinfer-allreduce-fusion"] if tp > 1 else [])
 
 

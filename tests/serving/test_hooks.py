@@ -49,3 +49,15 @@ def test_every_serving_module_with_a_hook_is_registered():
         src = open(f"{serving.__path__[0]}/{info.name}.py").read()
         if "\nHOOKS = (" in src:
             assert info.name in declared, f"serving/{info.name}.py declares hooks the plugin does not register"
+
+
+def test_the_design_docs_inventory_is_the_code_s():
+    """docs/design.md's table of hooked symbols is generated from the hook tables; regenerate it when they change:
+    .venv/bin/python -c 'from sglang_ext.serving import hooks; print(hooks.inventory_markdown())'"""
+    import os
+
+    from conftest import REPO
+
+    text = open(os.path.join(REPO, "docs", "design.md")).read()
+    start, end = "<!-- hook inventory: generated -->\n", "\n<!-- end of the hook inventory -->"
+    assert text[text.index(start) + len(start): text.index(end)] == hooks.inventory_markdown()

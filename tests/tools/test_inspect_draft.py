@@ -93,3 +93,12 @@ def test_missing_paths_and_usage(tmp_path, run_cli, targets):
     assert rc == 2
     rc, _ = run_cli("no-such-command")
     assert rc == 2
+
+
+def test_the_command_line_lists_its_commands_and_version(run_cli):
+    rc, out = run_cli("--help")
+    assert rc == 0 and "inspect-draft" in out
+    rc, out = run_cli("--version")
+    assert rc == 0 and out.startswith("sglang-eagle3-mla ")
+    rc, _ = run_cli("no-such-command")
+    assert rc == 2
