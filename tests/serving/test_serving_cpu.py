@@ -287,3 +287,19 @@ def test_sglangs_own_server_args_run_the_startup_check(tmp_path):
     code = STARTUP.replace("json.loads(sys.argv[1])", f"json.loads({json.dumps(json.dumps({'target': target, 'drafts': drafts}))})")
     r = _result(run_py(code))
     assert r == {"good": None, "bad": ["ConfigError", "draft.vocab_size"]}
+
+
+def test_an_mla_head_without_q_lora_rank_gets_the_plain_q_layer_and_others_upstreams(monkeypatch):
+    """The hook on upstream's Eagle3MLADecoderLayer.__init__ builds the plain-q layer only for q_lora_rank null; a
+    head with a query low-rank goes to upstream's own constructor untouched."""
+    from types import SimpleNamespace
+
+    from sglang_ext.serving import mla_head, registry
+
+    built = []
+    monkeypatch.setattr(mla_head, "init_plain_q", lambda self, config, *a, **k: built.append(("plain", k)))
+    upstream = lambda self, config, *a, **k: built.append(("upstream", k))  # noqa: E731
+    registry.layer_init(upstream, object(), SimpleNamespace(q_lora_rank=None), layer_id=0, prefix="model.midlayer")
+    registry.layer_init(upstream, object(), SimpleNamespace(q_lora_rank=1536), layer_id=0, prefix="model.midlayer")
+    assert built == [("plain", {"layer_id": 0, "prefix": "model.midlayer"}),
+                     ("upstream", {"layer_id": 0, "prefix": "model.midlayer"})]
