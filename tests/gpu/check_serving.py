@@ -94,16 +94,16 @@ ARMS["target-deterministic"] = (None, [], {}, False, None)
 ARMS["target-triton"] = (None, [], {}, False, None)
 ARMS["target-deterministic-triton"] = (None, [], {}, False, None)
 DETERMINISTIC.add("target-deterministic-triton")
-for _name in ("mha-chain", "mla-chain", "mha-tree", "mla-tree", "mha-chain-fp8", "mha-chain-no-overlap",
-              "mha-chain-protected"):
+SHAPES = ("mha-chain", "mla-chain", "mha-tree", "mla-tree", "mha-chain-fp8", "mha-chain-no-overlap",
+          "mha-chain-protected")  # the drafting shapes checked in deterministic mode
+for _name in SHAPES:
     ARMS[f"{_name}-deterministic"] = ARMS[_name]
     DETERMINISTIC.add(f"{_name}-deterministic")
 for _name in ("mha-chain", "mla-chain"):
     ARMS[f"{_name}-extend-deterministic"] = (ARMS[_name][0], ARMS[_name][1], {"SGLANG_EXT_MLA_VERIFY": "extend"},
                                              False, None)
     DETERMINISTIC.add(f"{_name}-extend-deterministic")
-for _name in ("mha-chain", "mla-chain", "mha-tree", "mla-tree", "mha-chain-fp8", "mha-chain-no-overlap",
-              "mha-chain-protected"):
+for _name in SHAPES:
     _head, _drafting, _env = ARMS[_name][:3]
     ARMS[f"{_name}-verify-decode-deterministic"] = (_head, _drafting, {**_env, "SGLANG_EXT_MLA_VERIFY": "decode"},
                                                     False, None)
