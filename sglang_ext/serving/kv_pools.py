@@ -6,7 +6,7 @@ Extends (hooks registered by sglang_ext.plugin):
     right for an MTP layer, wrong for an Eagle3 head: an MHA head under an MLA target caches full K
     and V per head (Kimi-K2.5: 4 KiB/token against ~1.1 KiB/token for a target layer), so the pools
     outgrow the memory SGLang was given. The target's per-token cost becomes target + draft
-    (draft_schema.draft_kv_bytes_per_token), and the split is logged.
+    (config.kv.draft_kv_bytes_per_token), and the split is logged.
   * ``...DefaultPoolConfigurator.calculate_pool_sizes`` (AFTER) -- logs tokens and GiB per pool.
   * ``sglang.srt.model_executor.model_runner.ModelRunner.configure_kv_cache_dtype`` (AROUND) -- the
     draft runner caches in ``--speculative-draft-kv-cache-dtype`` (bf16 | fp8_e4m3; default auto: the

@@ -1,4 +1,4 @@
-"""Head-format checks and KV pool arithmetic (sglang_ext.draft_schema), also through inspect-draft."""
+"""Head-format checks and KV pool arithmetic (sglang_ext.config.pair, sglang_ext.config.kv), also through inspect-draft."""
 
 import json
 import os
