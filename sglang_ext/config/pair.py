@@ -114,7 +114,7 @@ def tp_errors(target: "TargetConfig", draft: "Eagle3DraftConfig", tp_size: int) 
 
 
 def backend_errors(target: "TargetConfig", draft: "Eagle3DraftConfig", backend: str | None, draft_backend: str | None,
-                   topk: int, deterministic: bool) -> tuple[list[ConfigError], list[str]]:
+                   topk: int, deterministic: bool, adaptive: bool = False) -> tuple[list[ConfigError], list[str]]:
     """(refusals, warnings) for the pair on the server's attention backends (`backend` None: not known yet).
 
     Measured on an H200, SGLang 0.5.17, the tiny DeepseekV3 target of tests/gpu/check_serving.py (docs/results.md,
@@ -122,7 +122,10 @@ def backend_errors(target: "TargetConfig", draft: "Eagle3DraftConfig", backend: 
     from the target alone's on 125 of 200 prompts (50 on FA3, 0 in a batch-invariant FA3 chain) -- wrong answers, not
     bf16 ties -- and an MLA head's tree failed at start inside a scheduler process ("Flashinfer MLA only supports
     topk=1"); on FA3 under --enable-deterministic-inference a chain equals the target alone token for token, a tree
-    does not (64-69 of 200 identical)."""
+    does not (64-69 of 200 identical). On FlashMLA (page size 64) an MLA head's chain serves with exact counters; an
+    MHA head does not start (the draft's FlashMLA backend reads `kv_lora_rank`, which an MHA head has not -- upstream
+    fails the same way), --speculative-adaptive fails in the draft's CUDA-graph capture, and SGLang itself refuses
+    trees there (page size > 1)."""
     errors: list[ConfigError] = []
     warnings: list[str] = []
     if backend == "triton" or draft_backend == "triton":
@@ -134,6 +137,18 @@ def backend_errors(target: "TargetConfig", draft: "Eagle3DraftConfig", backend: 
                                   "does not start",
                                   "use --attention-backend fa3 (SGLang's default on Hopper) or triton for trees, or "
                                   "--speculative-eagle-topk 1 (chains) on flashinfer"))
+    if draft_backend == "flashmla" and draft.head_format == "mha":
+        errors.append(ConfigError("--attention-backend" if backend == "flashmla" else "--speculative-draft-attention-backend",
+                                  "flashmla", "the draft's FlashMLA attention reads a latent KV layout (kv_lora_rank) that "
+                                  f"an MHA-format head ({draft.architecture}) does not have: the server would fail "
+                                  "building the draft worker",
+                                  "serve an MLA-format head (Eagle3DeepseekV2ForCausalLM) on flashmla, or use "
+                                  "--attention-backend fa3 (SGLang's default on Hopper) for an MHA head"))
+    if adaptive and "flashmla" in (backend, draft_backend):
+        errors.append(ConfigError("--speculative-adaptive", True, "on the flashmla attention backend the adaptive "
+                                  "draft depths fail in CUDA-graph capture (FlashMLA's fixed query shape per step)",
+                                  "use --attention-backend fa3 (SGLang's default on Hopper) or triton for adaptive "
+                                  "drafting and the cost protection, or leave --speculative-adaptive off on flashmla"))
     if deterministic and topk > 1 and backend == "fa3":
         warnings.append("--enable-deterministic-inference with draft trees (--speculative-eagle-topk "
                         f"{topk}) on fa3: outputs are reproducible but not equal to the target alone's (a chain's "

@@ -51,7 +51,8 @@ def pair_problems(args, s: settings.Settings) -> tuple[list[ConfigError], list[s
     draft_backend = getattr(args, "speculative_draft_attention_backend", None) or backend
     topk = int(getattr(args, "speculative_eagle_topk", None) or 1)
     backend_errors, warnings = pair.backend_errors(target, draft, backend, draft_backend, topk,
-                                                   bool(getattr(args, "enable_deterministic_inference", False)))
+                                                   bool(getattr(args, "enable_deterministic_inference", False)),
+                                                   bool(getattr(args, "speculative_adaptive", False)))
     errors += backend_errors
     target_kv = kv.target_kv_dtype(getattr(args, "kv_cache_dtype", None))
     if kv.TARGET_KV_DTYPES[target_kv] is not None:

@@ -189,6 +189,18 @@ def test_startup_refuses_a_bad_pair_before_loading(tmp_path, monkeypatch):
     e = refusal(args(good, attention_backend="flashinfer", speculative_eagle_topk=4))
     assert e.field == "--speculative-eagle-topk" and "flashinfer" in e.problem and "fa3" in e.fix
     startup.validate(args(good, attention_backend="fa3", speculative_eagle_topk=4))
+    # FlashMLA: an MHA head does not start there, nor adaptive drafting (both measured on an H200): refused with the
+    # way out; an MLA head's chain is accepted
+    e = refusal(args(good, attention_backend="flashmla"))
+    assert e.field == "--attention-backend" and "MHA-format" in e.problem and "MLA-format head" in e.fix
+    e = refusal(args(good, attention_backend="fa3", speculative_draft_attention_backend="flashmla"))
+    assert e.field == "--speculative-draft-attention-backend"
+    mla = write_head(tmp_path / "mla", "mla", hidden=64, target_hidden=64, vocab=100, draft_vocab=None,
+                     ids=[1, 3, 5], convention="output")
+    startup.validate(args(mla, attention_backend="flashmla"))
+    e = refusal(args(mla, attention_backend="flashmla", speculative_adaptive=True))
+    assert e.field == "--speculative-adaptive" and "fa3" in e.fix
+    startup.validate(args(mla, attention_backend="fa3", speculative_adaptive=True))
     # a TP size the head counts cannot split (target 4 heads, draft 2): named at startup, not a bare assert
     e = refusal(args(good, tp_size=4))
     assert e.field == "--tp-size" and "draft's 2 attention heads" in e.problem
