@@ -1,4 +1,4 @@
-"""`make bench` / `python -m eval.bench`: a serving benchmark against SGLang servers, spec vs no spec.
+"""`make bench` / `python -m sglang_ext.eval.bench`: a serving benchmark against SGLang servers, spec vs no spec.
 
 Prompts come from ShareGPT (offline package) or GSM8K and are rendered through the target's chat
 template (raw prompts only with `--raw-prompts`, which the report flags). For each concurrency of
@@ -22,7 +22,8 @@ import urllib.request
 
 from tqdm import tqdm
 
-from eval.gsm8k import load_gsm8k, spec_from_meta
+from sglang_ext.commands import VERSION, prog
+from sglang_ext.eval.gsm8k import load_gsm8k, spec_from_meta
 
 
 def sse_events(lines):
@@ -107,7 +108,7 @@ def load_prompts(source: str, n: int, tokenizer, raw: bool, seed: int) -> list[s
         rows, _ = load_gsm8k(None, "test", n)
         messages = [[{"role": "user", "content": r["question"]}] for r in rows]
     else:
-        from training.data import LoadReport, load_source
+        from sglang_ext.training.data import LoadReport, load_source
 
         convs = load_source(f"sharegpt:pkg:{n * 2}", LoadReport())
         random.Random(seed).shuffle(convs)
@@ -126,8 +127,9 @@ def run_arm(url: str, prompts: list[str], concurrency: int, lengths: list[int]) 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eval.bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog=prog("bench"), description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=VERSION)
     ap.add_argument("--base-url", required=True, help="server with speculation")
     ap.add_argument("--nospec-url", help="server without speculation (same target)")
     ap.add_argument("--tokenizer", required=True, help="the target's tokenizer (chat template)")

@@ -1,4 +1,4 @@
-"""`make eval-gsm8k` / `python -m eval.gsm8k`: GSM8K accuracy and speculative acceptance, with and
+"""`make eval-gsm8k` / `eagle3-eval-gsm8k`: GSM8K accuracy and speculative acceptance, with and
 without speculation, always through the target's chat template.
 
 Prompts are k-shot multi-turn chats (each exemplar a user turn and an assistant turn), greedy by
@@ -24,9 +24,10 @@ import time
 
 from tqdm import tqdm
 
+from sglang_ext.commands import VERSION, prog
 from sglang_ext.core.accounting import AcceptanceStats, accepted_drafts_per_step_se
 from sglang_ext.http_client import ServerRefused, get_json, post_json
-from eval.report import write_reports
+from sglang_ext.eval.report import write_reports
 from sglang_ext.data import HUB_GSM8K, gsm8k as packaged_gsm8k
 
 # a number starts with a digit that does not continue one ("1.2.3" is not "1.2" then ".3"); commas only as thousands
@@ -283,8 +284,9 @@ def agreement(a: list[dict], b: list[dict]) -> dict:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m eval.gsm8k", description=__doc__,
+    ap = argparse.ArgumentParser(prog=prog("eval-gsm8k"), description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=VERSION)
     ap.add_argument("--base-url", help="SGLang server (default: the in-process reference decoder)")
     ap.add_argument("--compare-base-url", help="with --compare: the server without speculation")
     ap.add_argument("--compare", action="store_true", help="also run without speculation and compare")

@@ -1,13 +1,13 @@
-"""`python -m sglang_ext COMMAND ...` -- commands: inspect-draft."""
+"""`python -m sglang_ext COMMAND ...` -- the commands of sglang_ext.commands (each also a console script)."""
 
 import sys
 
-COMMANDS = {"inspect-draft": ("sglang_ext.inspect_draft", "check an Eagle3 head against its target before serving")}
+from sglang_ext.commands import COMMANDS, VERSION, run
 
 
 def usage() -> str:
     lines = ["usage: python -m sglang_ext COMMAND [options]   (COMMAND --help for its options)", "", "commands:"]
-    lines += [f"  {name:<14} {what}" for name, (_, what) in COMMANDS.items()]
+    lines += [f"  {name:<14} {c.description} (also: {c.script})" for name, c in COMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -17,16 +17,12 @@ def main(argv=None) -> int:
         print(usage())
         return 0
     if argv and argv[0] == "--version":
-        from sglang_ext import __version__
-
-        print(f"sglang-eagle3-mla {__version__}")
+        print(VERSION)
         return 0
     if not argv or argv[0] not in COMMANDS:
         print(usage(), file=sys.stderr)
         return 2
-    import importlib
-
-    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+    return run(argv[0], argv[1:])
 
 
 if __name__ == "__main__":

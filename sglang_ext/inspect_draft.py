@@ -14,6 +14,7 @@ import math
 import sys
 
 from sglang_ext import checkpoint, settings
+from sglang_ext.commands import VERSION, prog
 from sglang_ext.config import Eagle3DraftConfig, TargetConfig, kv, pair, resolve_with_errors
 from sglang_ext.config.architectures import PLUGIN_HOOKED
 from sglang_ext.config.aux_layers import CONVENTION_FIELD, ENGINES, OVERRIDE_FIELD, engine_output_ids
@@ -246,8 +247,9 @@ def render(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sglang_ext inspect-draft", description=__doc__,
+    ap = argparse.ArgumentParser(prog=prog("inspect-draft"), description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=VERSION)
     ap.add_argument("draft", help="draft checkpoint directory (config.json [+ safetensors])")
     ap.add_argument("--target", required=True, help="target directory or its config.json")
     ap.add_argument("--override", default=settings.raw_value("aux_layers"),

@@ -3,8 +3,8 @@ trainer), on the same head size, sequence length, batch, TTT length and target (
 from a config: hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256; only its lm_head and
 random aux / final hidden states are needed, as in offline training).
 
-Ours: `training.trainer.ttt_loss` (bf16 autocast, fp32 master weights) + backward + clip + AdamW, its
-inputs held as `training.trainer.train` holds them (bf16 hidden states resident on the GPU, the lm_head
+Ours: `sglang_ext.training.trainer.ttt_loss` (bf16 autocast, fp32 master weights) + backward + clip + AdamW, its
+inputs held as `sglang_ext.training.trainer.train` holds them (bf16 hidden states resident on the GPU, the lm_head
 rows cast to bf16 once); SpecForge gets the same bf16 tensors on the GPU. (The runs of 2026-11-30 gave
 ours fp32 features on the host, pinned and copied at every step: a cost the trainer does not pay.)
 SpecForge's: `LlamaForCausalLMEagle3` -> `OnlineEagle3Model` (TTT unroll) ->
@@ -15,7 +15,7 @@ table (median step ms, tokens/s, memory a step needs) and, for ours, the top CUD
 SpecForge pins other SGLang/transformers versions: install it beside ours without dependencies
 (`pip install --no-deps --target /tmp/sfsite specforge-0.2.0-py3-none-any.whl`, PYTHONPATH).
 
-    python -m training.bench_vs_specforge [--seq-len 2048] [--ttt 7] [--steps 10] [--tiny] [--ours-only]
+    python -m sglang_ext.training.bench_vs_specforge [--seq-len 2048] [--ttt 7] [--steps 10] [--tiny] [--ours-only]
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def ours(shape, seq, ttt, device, fused_attention: bool | None = None):
     """Our training step (and its warm-up run once)."""
     from sglang_ext.config import Eagle3DraftConfig
     from sglang_ext.core.heads import Eagle3Head
-    from training.features import Features
-    from training.trainer import resident_on_device, ttt_loss
+    from sglang_ext.training.features import Features
+    from sglang_ext.training.trainer import resident_on_device, ttt_loss
 
     ids, mask, aux, last, lm_head, hot = inputs(shape, seq, device)
     cfg = Eagle3DraftConfig(head_format="mha", hidden_size=shape["hidden"], intermediate_size=shape["inter"],
@@ -85,10 +85,10 @@ def ours(shape, seq, ttt, device, fused_attention: bool | None = None):
     head = head.to(device)
     bf16 = device.type == "cuda"
     rows = lm_head[hot.to(device)]
-    if bf16:  # as training.trainer.train passes them
+    if bf16:  # as sglang_ext.training.trainer.train passes them
         rows = rows.to(torch.bfloat16)
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")  # as training.trainer.train
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")  # as sglang_ext.training.trainer.train
     dtype = torch.bfloat16 if bf16 else torch.float32  # the features of a bf16 target, as SpecForge gets them
     f = resident_on_device([Features(ids, mask, aux.to(dtype), last.to(dtype))], device)[0]  # as train() does
 
@@ -177,7 +177,7 @@ def specforge(shape, seq, ttt, device, backend: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m training.bench_vs_specforge", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m sglang_ext.training.bench_vs_specforge", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--ttt", type=int, default=7)

@@ -5,7 +5,7 @@ compares the head after the same short training from: `copied` (the layer's atte
 block at t+1, the default) and `fit0` (fitted at t). Prints one JSON line per arm: held-out top-1 per TTT step.
 
     make train-draft WORK=/tmp/ex/work DRAFT=/tmp/ex/draft TRAIN_ARGS='--max-steps 2'     # features (~16 min)
-    python -m training.exp_attention_init --features /tmp/ex/work/features random,fit,copied   # ~9 min an arm
+    python -m sglang_ext.training.exp_attention_init --features /tmp/ex/work/features random,fit,copied  # ~9 min/arm
 
 A research script, not part of the pipeline; docs/results.md ("The MHA head's attention under an MLA target") has its figures.
 """
@@ -21,13 +21,13 @@ import torch
 
 from sglang_ext.core.heads import Eagle3Head, head_config_for
 from sglang_ext.core.targets import load_target
-from training.features import read_shards
-from training.trainer import (TrainConfig, draft_vocabulary, evaluate, fit_attention_to_target, init_head_from_target,
-                              init_layer_from_target, train)
+from sglang_ext.training.features import read_shards
+from sglang_ext.training.trainer import (TrainConfig, draft_vocabulary, evaluate, fit_attention_to_target,
+                                         init_head_from_target, init_layer_from_target, train)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m training.exp_attention_init", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m sglang_ext.training.exp_attention_init", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("arms", help="comma-separated: copied, random, fit, fit0")
     ap.add_argument("--features", required=True, help="a train_draft work directory's features/")

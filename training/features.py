@@ -28,8 +28,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from sglang_ext.core.capture import AuxCapture
-from training.chat import ChatTemplateError, render
-from training.data import Conversation
+from sglang_ext.training.chat import ChatTemplateError, render
+from sglang_ext.training.data import Conversation
 
 MANIFEST = "manifest.json"
 

@@ -21,8 +21,8 @@ import torch
 from tqdm import tqdm
 
 from sglang_ext.http_client import post_json
-from training.chat import prompt_ids
-from training.data import Conversation
+from sglang_ext.training.chat import prompt_ids
+from sglang_ext.training.data import Conversation
 
 
 @dataclasses.dataclass
@@ -57,7 +57,7 @@ def resumable(done: dict[str, Conversation], convs: list[Conversation], path: st
     dup = next((i for i, n in Counter(c.id for c in convs).items() if n > 1), None)
     if dup is not None:
         raise ValueError(f"conversation id {dup!r} appears more than once; regeneration writes and resumes by id, so "
-                         "one would overwrite the other (training.data.unique_ids renames repeats)")
+                         "one would overwrite the other (sglang_ext.training.data.unique_ids renames repeats)")
     for c in convs:
         old = done.get(c.id)
         if old is not None and _context(old.messages) != _context(c.messages):

@@ -2,7 +2,7 @@
 from the trainer's memory), run the core's reference decoder on the same prompts as its training_report.json, and
 pair the two per prompt.
 
-    python -m training.remeasure --draft out/draft --target TARGET [--device cpu] [--dtype fp32] [--prompts N]
+    eagle3-remeasure --draft out/draft --target TARGET [--device cpu] [--dtype fp32] [--prompts N]
 
 The report's figure is one measurement (another precision, device or batch parts greedy outputs, and a parted prompt
 accepts differently from there on), so "the same" means within the paired noise: |difference| <= 2 paired standard
@@ -18,6 +18,9 @@ import os
 import sys
 import time
 
+from sglang_ext.commands import VERSION, prog
+
+PROG = prog("remeasure")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -26,7 +29,8 @@ class RemeasureError(ValueError):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m training.remeasure", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--version", action="version", version=VERSION)
     ap.add_argument("--draft", required=True, help="an exported head directory holding training_report.json")
     ap.add_argument("--target", required=True, help="the target it was trained on (directory, hub name or GGUF)")
     ap.add_argument("--eval-data", help="the report's GSM8K source, where its recorded path is not readable here "
@@ -45,20 +49,20 @@ def reference_of(draft: str) -> dict:
     """The report's acceptance section, checked for what a paired re-measurement needs."""
     path = os.path.join(draft, "training_report.json")
     if not os.path.isfile(path):
-        raise RemeasureError(f"--draft {draft}: no training_report.json (a head exported by training.train_draft "
-                             "has one); for another head, measure it with `python -m eval.gsm8k --draft ...`")
+        raise RemeasureError(f"--draft {draft}: no training_report.json (a head exported by eagle3-train "
+                             "has one); for another head, measure it with `eagle3-eval-gsm8k --draft ...`")
     try:
         with open(path) as f:
             acc = json.load(f).get("acceptance") or {}
     except (ValueError, AttributeError) as e:  # not JSON, or not an object
-        raise RemeasureError(f"{path}: not a training report ({e}); re-export the head with training.train_draft")
+        raise RemeasureError(f"{path}: not a training report ({e}); re-export the head with eagle3-train")
     trained = acc.get("trained") or {}
     if not trained.get("per_prompt"):
         raise RemeasureError(f"{path}: acceptance.trained.per_prompt is missing (reports written before 2026-12-01 kept "
                              "totals only, and a --target-weights-only run has no estimate): nothing to pair against")
     for field in ("eval_data", "prompts", "chain_steps", "max_new_tokens"):
         if field not in acc:
-            raise RemeasureError(f"{path}: acceptance.{field} is missing; re-export the head with training.train_draft")
+            raise RemeasureError(f"{path}: acceptance.{field} is missing; re-export the head with eagle3-train")
     return acc
 
 
@@ -88,13 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         acc = reference_of(args.draft)
         src = eval_source(acc, args.eval_data)
     except RemeasureError as e:
-        print(f"python -m training.remeasure: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     import torch
 
     from sglang_ext.core.heads import Eagle3Head
     from sglang_ext.core.targets import load_target, load_tokenizer
-    from training.train_draft import acceptance_estimate, gsm8k_prompts, prompts_unlike_report
+    from sglang_ext.training.train_draft import acceptance_estimate, gsm8k_prompts, prompts_unlike_report
 
     dtype = getattr(torch, DTYPES[args.dtype])
     tok = load_tokenizer(args.target)
@@ -104,12 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     prompts = gsm8k_prompts(tok, src, acc["prompts"])[:n]
     ref = acc["trained"]["per_prompt"][:n]
     if len(prompts) != len(ref):
-        print(f"python -m training.remeasure: error: {src} gives {len(prompts)} prompts, the report has {len(ref)}: "
+        print(f"{PROG}: error: {src} gives {len(prompts)} prompts, the report has {len(ref)}: "
               "not the report's source; pass it with --eval-data", file=sys.stderr)
         return 2
     unlike = prompts_unlike_report(prompts, ref)
     if unlike:  # same count, other prompts (another file, template or tokenizer): a pairing would mean nothing
-        print(f"python -m training.remeasure: error: prompt {unlike[0]} ({len(unlike)} of {n} in all) from {src} with "
+        print(f"{PROG}: error: prompt {unlike[0]} ({len(unlike)} of {n} in all) from {src} with "
               f"{args.target}'s tokenizer and chat template is not the report's (acceptance.trained.per_prompt"
               f"[{unlike[0]}].prompt_sha256); pass the report's GSM8K file with --eval-data and the target the head "
               "was trained on with --target", file=sys.stderr)

@@ -39,8 +39,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sglang_ext.core.targets import load_target, load_tokenizer  # noqa: E402
-from training.chat import render  # noqa: E402
-from training.data import load_source  # noqa: E402
+from sglang_ext.training.chat import render  # noqa: E402
+from sglang_ext.training.data import load_source  # noqa: E402
 
 ROPE = 64  # qk_rope_head_dim = SmolLM2's head_dim, so group 0 keeps its rotary frequencies
 NOPE = 64
@@ -283,7 +283,7 @@ def distill(student, teacher, data: torch.Tensor, steps: int, batch: int, lr: fl
 def gsm8k_answers(model, tokenizer, questions: list[str], device, max_new_tokens: int = 96) -> list[str]:
     """Greedy chat answers, all questions in one left-padded batch (one generate call per model: the
     build's time budget is 8 minutes)."""
-    from training.chat import prompt_ids
+    from sglang_ext.training.chat import prompt_ids
 
     rows = [prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -408,7 +408,7 @@ def build(args, log=print) -> dict:
               "agreement_init": before, "agreement": after, "steps": len(losses), "kl_first": losses[:1],
               "kl_last": losses[-1:], "seed": args.seed, "data": data}
     if args.gsm8k_examples:
-        from eval.gsm8k import load_gsm8k
+        from sglang_ext.eval.gsm8k import load_gsm8k
 
         rows, _ = load_gsm8k(args.gsm8k_data if os.path.exists(args.gsm8k_data) else None, "test",
                              args.gsm8k_examples)
@@ -430,7 +430,7 @@ def build(args, log=print) -> dict:
 
 def main(argv=None) -> int:
     gpu = torch.cuda.is_available()
-    ap = argparse.ArgumentParser(prog="python -m training.scale_target", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m sglang_ext.training.scale_target", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--teacher", default="smollm2", help="the chat model to imitate (default: offline SmolLM2)")
     ap.add_argument("--data", default=f"sharegpt:pkg:{GPU_CONVERSATIONS}" if gpu else "sharegpt:pkg:60")

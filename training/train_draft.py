@@ -1,4 +1,4 @@
-"""`make train-draft` / `python -m training.train_draft`: regenerate chat-formatted data with the
+"""`make train-draft` / `eagle3-train` / `python -m sglang_ext train`: regenerate chat-formatted data with the
 target, capture its aux hidden states, train an MLA- or MHA-format Eagle3 head, export it for
 SGLang (and vLLM), and print an acceptance estimate measured with the reference decoder.
 
@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from sglang_ext.commands import VERSION, prog
 from sglang_ext.config import AuxLayerPlan, TargetConfig, resolve
 from sglang_ext.config.aux_layers import parse_override, validate_output_ids
 from sglang_ext.core.accounting import accepted_drafts_per_step_se
@@ -30,12 +31,13 @@ from sglang_ext.core.capture import text_config_of
 from sglang_ext.core.decoder import ReferenceDecoder
 from sglang_ext.core.heads import Eagle3Head, head_config_for
 from sglang_ext.core.targets import load_target, load_target_weights, load_tokenizer
-from training import data as data_mod
-from training.chat import ChatTemplateError, apply_template, prompt_ids, prompt_opens_think, require_chat_template
-from training.features import (FeatureExtractor, ServerFeatureExtractor, online, read_shards, records_of,
-                               write_shards)
-from training.regenerate import GenerationOptions, LocalRegenerator, ServerRegenerator
-from training.trainer import (
+from sglang_ext.training import data as data_mod
+from sglang_ext.training.chat import (ChatTemplateError, apply_template, prompt_ids, prompt_opens_think,
+                                      require_chat_template)
+from sglang_ext.training.features import (FeatureExtractor, ServerFeatureExtractor, online, read_shards, records_of,
+                                          write_shards)
+from sglang_ext.training.regenerate import GenerationOptions, LocalRegenerator, ServerRegenerator
+from sglang_ext.training.trainer import (
     TrainConfig,
     draft_vocabulary,
     evaluate,
@@ -44,6 +46,9 @@ from training.trainer import (
     init_layer_from_target,
     train,
 )
+
+PROG = prog("train")
+
 
 def default_gsm8k(split: str) -> str:
     """The packaged GSM8K split (MIT; sglang_ext/data)."""
@@ -70,7 +75,7 @@ def apply_yaml_defaults(ap: argparse.ArgumentParser, path: str) -> dict:
     defaults = {}
     for key, value in values.items():
         action = actions.get(key)
-        if action is None or key in ("config", "help"):
+        if action is None or key in ("config", "help", "version"):
             ap.error(f"--config {path}: unknown key {key!r} (keys are the options' names with _ for -)")
         if isinstance(action, argparse._AppendAction):
             value = [value] if isinstance(value, str) else value
@@ -102,8 +107,8 @@ def apply_yaml_defaults(ap: argparse.ArgumentParser, path: str) -> dict:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m training.train_draft", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=VERSION)
     ap.add_argument("--config", help="YAML file whose keys set the options below")
     ap.add_argument("--target", default="smollm2", help="model dir, GGUF file, or 'smollm2' (offline)")
     ap.add_argument("--data", action="append", help="source spec (repeatable): sharegpt:pkg:N, "
@@ -117,7 +122,8 @@ def parse_args(argv=None):
     ap.add_argument("--fit-attention-steps", default="auto", metavar="N|auto",
                     help="when the head's attention cannot take the init layer's weights (an MHA head under an MLA "
                          "target), first fit it for N steps to that layer's attention block on the training features "
-                         f"(training.trainer.fit_attention_to_target); auto: {FIT_ATTENTION_AUTO_STEPS}; 0: leave it random")
+                         "(sglang_ext.training.trainer.fit_attention_to_target); "
+                         f"auto: {FIT_ATTENTION_AUTO_STEPS}; 0: leave it random")
     ap.add_argument("--head-override", action="append", default=[], metavar="FIELD=JSON",
                     help="override a head config field derived from the target, e.g. num_attention_heads=16, "
                          "q_lora_rank=null (an MLA head without q_lora_rank serves only with this plugin: upstream "
@@ -431,13 +437,13 @@ def main(argv=None) -> int:
     if os.path.commonpath([out_abs, work_abs]) in (out_abs, work_abs):  # the export replaces --out whole
         problem = f"is, holds or lies in --work {args.work}; give them separate directories"
     if problem:
-        print(f"python -m training.train_draft: error: --out {args.out}: {problem}", file=sys.stderr)
+        print(f"{PROG}: error: --out {args.out}: {problem}", file=sys.stderr)
         return 2
     for spec in args.data:  # files are checked on the machine that runs (the GPU scripts parse for another)
         try:
             data_mod.parse_spec(spec, check_files=True)
         except FileNotFoundError as e:
-            print(f"python -m training.train_draft: error: --data {e}", file=sys.stderr)
+            print(f"{PROG}: error: --data {e}", file=sys.stderr)
             return 2
     t0 = time.time()
     world, rank, wait_group = init_distributed(args)
@@ -451,7 +457,7 @@ def main(argv=None) -> int:
     try:  # bad data is refused before the target loads
         convs = load_conversations(args, tok) if rank == 0 else None
     except data_mod.DataSourceError as e:
-        print(f"python -m training.train_draft: error: --data {e}", file=sys.stderr)
+        print(f"{PROG}: error: --data {e}", file=sys.stderr)
         return 2
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.target_weights_only:
@@ -538,7 +544,7 @@ def load_conversations(args, tok) -> list:
     if refused:
         print(f"[train-draft] skipped {sum(refused.values())} conversations the chat template refused: {refused}")
     if not kept:
-        raise SystemExit(f"python -m training.train_draft: error: no conversation to train on from --data {args.data}: "
+        raise SystemExit(f"{PROG}: error: no conversation to train on from --data {args.data}: "
                          f"{report.read} rows read, {report.malformed} malformed {report.reasons or ''}, "
                          f"{too_long} over --max-prompt-tokens {args.max_prompt_tokens}, "
                          f"{sum(refused.values())} refused by the chat template {refused or ''}")
@@ -593,7 +599,7 @@ def prepare_features(args, tok, target, aux_ids, device, feat_dir, convs):
         print(f"[train-draft] {extractor.last_turn_only} multi-turn conversations trained on their last assistant turn "
               "only: the chat template renders earlier turns differently once they are history (docs/design.md)")
     if not records:
-        raise SystemExit(f"python -m training.train_draft: error: none of the {len(train_convs)} regenerated training "
+        raise SystemExit(f"{PROG}: error: none of the {len(train_convs)} regenerated training "
                          "conversations has an assistant token to train on (empty answers, or all cut by --max-tokens "
                          f"{args.max_tokens}); see {regen_path}")
     n_tok = sum(len(r.input_ids) for r in records)
@@ -657,7 +663,7 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
     except ValueError as e:  # a checkpoint from other options or data: said in one line
         if "checkpoint" not in str(e):
             raise
-        print(f"python -m training.train_draft: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     train_s = time.time() - t
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -707,7 +713,7 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
         line = f"[train-draft] no acceptance estimate: {est['note']} ({len(prompts)} prompts)"
     elif est is None:
         line = ("[train-draft] no acceptance estimate (--target-weights-only: the reference decoder needs the whole "
-                "target); serve the head and run `python -m eval.gsm8k --base-url ...` for its acceptance")
+                "target); serve the head and run `eagle3-eval-gsm8k --base-url ...` for its acceptance")
     else:
         line = (f"[train-draft] acceptance on {len(prompts)} held-out GSM8K chat prompts (chain, {args.eval_steps} "
                 f"steps, greedy): accepted drafts per step {est['accepted_drafts_per_step']:.3f} (standard error "

@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from sglang_ext.core.heads import Eagle3Head
 from sglang_ext.core.ttt_attention import PATHS_USED as TTT_PATHS_USED, TTTCache
-from training.features import Features, cut_by_length
-from training.losses import soft_cross_entropy
+from sglang_ext.training.features import Features, cut_by_length
+from sglang_ext.training.losses import soft_cross_entropy
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ The backward calls the causal kernel's backward with the merged output and log-s
 does for each key block), which gives the exact gradient of the merged softmax, and the diagonal's
 gradient in closed form. SpecForge reaches the same sparsity with flex attention and a block mask.
 
-Used by the trainer only (`TTTCache` in `training.trainer.ttt_loss`); the dense path (`fused=False`, and
+Used by the trainer only (`TTTCache` in `sglang_ext.training.trainer.ttt_loss`); the dense path (`fused=False`, and
 wherever the fused kernel is unavailable: fp32 on CUDA, head dims it does not take) computes the same
 function and is what the tests compare against.
 """

@@ -8,7 +8,7 @@ with ``RID_PREFIX`` is written by attention-TP rank 0 (the residual stream is wh
 ``<dir>/<rid>/<start>.safetensors``: ``input_ids`` [n], ``aux`` [n, layers x hidden] (the convention's
 layers, as for a draft: ``--speculative-eagle3-aux-layers`` or the default ids) and ``last_hidden``
 [n, hidden] (after the final norm: what the lm_head reads), bf16. Other requests are served as usual.
-The client is ``training.features.ServerFeatureExtractor`` (same records as the in-process extractor).
+The client is ``sglang_ext.training.features.ServerFeatureExtractor`` (same records as the in-process extractor).
 
 Extends (hooks registered only when the option is set), SGLang 0.5.17:
   * ``sglang.srt.model_executor.model_runner.ModelRunner.load_model`` (AFTER) -- on the target's runner:
@@ -109,14 +109,15 @@ def after_load_model(result, self, *args, **kwargs):
     if not getattr(model, "capture_aux_hidden_states", False):
         if not hasattr(model, "set_eagle3_layers_to_capture"):
             raise ConfigError(OPTION, directory(), f"{type(model).__name__} cannot capture aux hidden states in "
-                              "SGLang 0.5.17", "capture features in-process (training.features.FeatureExtractor)")
+                              "SGLang 0.5.17",
+                              "capture features in-process (sglang_ext.training.features.FeatureExtractor)")
         model.set_eagle3_layers_to_capture(None)  # our aux_capture hook: default ids or the override
     language = getattr(model, "language_model", None)  # a VL wrapper (Kimi-K2.5) delegates to its text model
     if getattr(model, "_sglang_ext_aux_plan", None) is None and getattr(language, "_sglang_ext_aux_plan", None) is None:
         # upstream's capture alone writes nothing
         raise ConfigError(OPTION, directory(), f"the plugin captures features for DeepseekV2/V3, Kimi-K2.5 and Llama-"
                           f"family targets, not {type(model).__name__}",
-                          "capture features in-process (training.features.FeatureExtractor)")
+                          "capture features in-process (sglang_ext.training.features.FeatureExtractor)")
     plan = getattr(model, "_sglang_ext_aux_plan", None) or getattr(language, "_sglang_ext_aux_plan", None)
     from sglang_ext.serving.acceptance import is_reporting_rank
 

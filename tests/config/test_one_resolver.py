@@ -74,7 +74,7 @@ def test_a_trained_heads_export_is_read_back_at_its_training_layers(tmp_path, ar
     """The trainer resolves its --aux-layers with the same resolver, exports them in the output convention, and the
     server, inspect-draft and the decoder read back those layers."""
     from sglang_ext.core.heads import Eagle3Head
-    from training.train_draft import aux_layer_plan
+    from sglang_ext.training.train_draft import aux_layer_plan
 
     cfg, hooked_as = TARGETS[arch]
     plan = aux_layer_plan(types.SimpleNamespace(aux_layers="0,9,27"), cfg)
@@ -91,7 +91,7 @@ def test_a_trained_heads_export_is_read_back_at_its_training_layers(tmp_path, ar
 
 
 def test_the_trainer_refuses_bad_aux_layers_before_any_work():
-    from training.train_draft import aux_layer_plan, parse_args
+    from sglang_ext.training.train_draft import aux_layer_plan, parse_args
 
     for bad in ("3,1,2", "1,1,2", "1,x"):
         with pytest.raises(SystemExit):
@@ -104,7 +104,7 @@ def test_the_trainer_refuses_a_feature_servers_other_layers(tmp_path):
     """A feature server records the layers it captures; the trainer refuses them when they are not its own (the
     width alone would not tell [1, 13, 24] from [2, 14, 25])."""
     from sglang_ext.serving.feature_capture import PLAN_FILE
-    from training.features import ServerFeatureExtractor
+    from sglang_ext.training.features import ServerFeatureExtractor
 
     (tmp_path / PLAN_FILE).write_text(json.dumps({"output_ids": [2, 14, 25], "source": "override",
                                                   "convention": "output", "raw_ids": [2, 14, 25]}))

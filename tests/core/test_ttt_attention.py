@@ -67,8 +67,8 @@ def test_cache_refuses_a_mask_and_steps_of_other_lengths():
 @pytest.mark.parametrize("fmt", ["mha", "mla"])
 def test_trainer_loss_and_gradients_do_not_depend_on_the_attention_path(fmt):
     from sglang_ext.core import tiny
-    from training.features import Features
-    from training.trainer import ttt_loss
+    from sglang_ext.training.features import Features
+    from sglang_ext.training.trainer import ttt_loss
 
     cfg = tiny.deepseek_v3_config(num_layers=3, hidden=64, vocab=300, moe_layers=0)
     torch.manual_seed(0)
@@ -99,8 +99,8 @@ def test_under_bf16_autocast_the_fused_path_runs_and_agrees():
     """The trainer's GPU mode is bf16 autocast: the fused path must take the head's bf16 q/k/v (not fall
     back to the dense path) and agree with the dense path to bf16 rounding; its merge stays in fp32."""
     from sglang_ext.core import tiny, ttt_attention as T
-    from training.features import Features
-    from training.trainer import ttt_loss
+    from sglang_ext.training.features import Features
+    from sglang_ext.training.trainer import ttt_loss
 
     cfg = tiny.deepseek_v3_config(num_layers=3, hidden=64, vocab=300, moe_layers=0)
     torch.manual_seed(0)

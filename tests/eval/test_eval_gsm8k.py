@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import GSM8K_TEST, stub_server
-from eval import gsm8k as G
+from sglang_ext.eval import gsm8k as G
 
 
 @pytest.mark.parametrize("text,strict,flexible", [
@@ -125,7 +125,7 @@ def test_reference_backend_end_to_end_on_a_tiny_model(tmp_path):
 
 
 def test_bench_stream_parsing_and_summary():
-    from eval import bench
+    from sglang_ext.eval import bench
 
     lines = [b"data: " + json.dumps({"text": "a", "meta_info": {"completion_tokens": 1}}).encode() + b"\n", b"\n",
              b"data: " + json.dumps({"text": "ab", "meta_info": {"completion_tokens": 2, "spec_verify_ct": 1,
@@ -141,7 +141,7 @@ def test_bench_stream_parsing_and_summary():
 def test_bench_p99_is_nearest_rank_and_requests_are_kept_in_order():
     """p99 of 4 first-token times is the slowest one (the old index gave the 3rd of 4: a 400 ms first request
     hid behind a 31 ms "p99"), and each request's start, first token and end are kept, from the first start."""
-    from eval import bench
+    from sglang_ext.eval import bench
 
     rows = [{"start": 10.0 + i * 0.5, "ttft": t, "latency": 1.0, "tpot": 0.01, "completion_tokens": 5, "spec": None}
             for i, t in enumerate([0.4, 0.03, 0.031, 0.029])]
@@ -166,7 +166,7 @@ def test_truncated_server_histogram_uses_the_server_depth():
     (["--base-url", "http://127.0.0.1:9", "--compare"], "--compare-base-url"),
 ])
 def test_bad_command_lines_are_refused_before_any_model_loads(argv, text, capsys):
-    from eval import gsm8k as G
+    from sglang_ext.eval import gsm8k as G
 
     with pytest.raises(SystemExit) as e:
         G.main(argv)
@@ -174,7 +174,7 @@ def test_bad_command_lines_are_refused_before_any_model_loads(argv, text, capsys
 
 
 def test_an_unreachable_server_is_an_error_not_a_traceback(capsys, tmp_path):
-    from eval import gsm8k as G
+    from sglang_ext.eval import gsm8k as G
 
     data = tmp_path / "test.jsonl"  # a local split: a clean clone has no ../shared data (and no network)
     data.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n")
@@ -215,7 +215,7 @@ def test_report_recounts_from_its_questions(tmp_path):
 
 
 def test_bench_keeps_failed_requests_out_of_the_figures_and_says_so():
-    from eval import bench
+    from sglang_ext.eval import bench
 
     ok = {"start": 0.0, "ttft": 0.1, "latency": 1.1, "completion_tokens": 11, "tpot": 0.1,
           "spec": {"verify_steps": 5, "accepted_drafts": 5, "histogram_counts": None}}

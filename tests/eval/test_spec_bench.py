@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from eval import spec_bench as sb
+from sglang_ext.eval import spec_bench as sb
 from sglang_ext.config import Eagle3DraftConfig, TargetConfig, weight_map
 from sglang_ext.config.pair import pair_errors
 
@@ -170,7 +170,7 @@ def test_all_retries_failed_arms_and_redoes_on_request():
 def test_adaptive_facts_from_a_server_log():
     """A protected arm's row keeps what its speed is made of: the cost policy's decisions, its periodic
     summaries (steps and measured step time per depth) and SGLang's runtime-state switches."""
-    from eval.spec_bench import adaptive_facts
+    from sglang_ext.eval.spec_bench import adaptive_facts
 
     log = "\n".join([
         "[2026-11-30 11:30:01] [sglang_ext] adaptive speculation: depth 3 -> 0: predicted tokens/s per request 99.0 "
@@ -187,7 +187,7 @@ def test_adaptive_facts_from_a_server_log():
 
 
 def test_profile_levels_for_every_arm_or_some():
-    from eval.spec_bench import profile_levels_of
+    from sglang_ext.eval.spec_bench import profile_levels_of
 
     assert profile_levels_of(None, "nospec") == set() and profile_levels_of("64", "plugin-chain") == {64}
     spec = "nospec:1,zero-accept-protected-verify-decode:64,nospec:32"
@@ -245,7 +245,7 @@ def test_a_run_of_only_the_protections_arms_prints_no_empty_table(tmp_path, monk
 @pytest.mark.parametrize("argv,text", [(["--concurrency", "0,4"], "at least 1"), (["--concurrency", "a"], "integers"),
                                        (["--output-len", "0"], "--output-len 0")])
 def test_bench_refuses_bad_levels_before_anything_runs(argv, text, capsys):
-    from eval import bench
+    from sglang_ext.eval import bench
 
     with pytest.raises(SystemExit) as e:
         bench.main(["--base-url", "http://127.0.0.1:9", "--tokenizer", "smollm2", *argv])
@@ -253,7 +253,7 @@ def test_bench_refuses_bad_levels_before_anything_runs(argv, text, capsys):
 
 
 def test_bench_says_when_the_server_is_not_there(capsys):
-    from eval import bench
+    from sglang_ext.eval import bench
 
     assert bench.main(["--base-url", "http://127.0.0.1:9", "--tokenizer", "smollm2"]) == 2
     assert "cannot reach the server at http://127.0.0.1:9" in capsys.readouterr().err
@@ -263,7 +263,7 @@ def test_side_by_side_arms_are_measured_in_rotating_order_on_their_own_servers(m
     """`compare`: every arm's server starts at once (each on its own port, its KV pool capped), each round measures
     every arm once with the order rotated, an arm whose server dies mid-run is dropped while the others go on, and
     no --attention-backend is passed unless asked (SGLang's own choice)."""
-    import eval.bench
+    import sglang_ext.eval.bench
 
     started, order = [], []
 
@@ -297,7 +297,7 @@ def test_side_by_side_arms_are_measured_in_rotating_order_on_their_own_servers(m
                 "wall_s": 0.1}
 
     monkeypatch.setattr(sb, "prompts", lambda n, input_len, seed=0: ["p"] * n)
-    monkeypatch.setattr(eval.bench, "run_arm", fake_measure)
+    monkeypatch.setattr(sglang_ext.eval.bench, "run_arm", fake_measure)
     monkeypatch.setattr(sb, "serverlib", lambda: type("L", (), {"Server": FakeServer, "tp_args": lambda tp: []}))
     rows = sb.compare_arms(["upstream-mla-chain", "plugin-mla-chain", "nospec"], [1], repeats=3, input_len=8,
                            output_len=64, max_bs=64, mem_fraction=0.9, port=30277, max_total_tokens=131072)

@@ -7,7 +7,7 @@ run's tokens/s shows what data parallelism buys. Then the same in bf16 autocast,
     PYTHONPATH=/tmp/site:. python tests/gpu/check_ddp.py [--device cpu]   # cpu: gloo, a dry run of the script
 
 Target: a DeepseekV3 built from a config (hidden 1024, 8 layers, random weights) with the tiny ChatML
-tokenizer; 512 synthetic chat conversations; features captured in-process (training.features); an MHA head
+tokenizer; 512 synthetic chat conversations; features captured in-process (sglang_ext.training.features); an MHA head
 of the convention's layers. Prints a table; writes $OUT/ddp.json.
 """
 
@@ -21,7 +21,8 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
+# the checkout last: an installed sglang_ext (a wheel on PYTHONPATH) wins; else the editable install's
+sys.path.append(REPO)
 
 
 def prepare(work: str, device: str, conversations: int, hidden: int) -> None:
@@ -31,9 +32,9 @@ def prepare(work: str, device: str, conversations: int, hidden: int) -> None:
     from sglang_ext.config.aux_layers import default_output_ids
     from sglang_ext.core import tiny
     from sglang_ext.core.heads import Eagle3Head, head_config_for
-    from training import data as D
-    from training.features import FeatureExtractor, read_shards, write_shards
-    from training.trainer import draft_vocabulary, init_head_from_target
+    from sglang_ext.training import data as D
+    from sglang_ext.training.features import FeatureExtractor, read_shards, write_shards
+    from sglang_ext.training.trainer import draft_vocabulary, init_head_from_target
 
     tok = tiny.train_tokenizer(512)
     cfg = tiny.deepseek_v3_config(num_layers=8, hidden=hidden, heads=8, vocab=len(tok), moe_layers=0,
@@ -58,7 +59,7 @@ def prepare(work: str, device: str, conversations: int, hidden: int) -> None:
 
 def run_ddp(work: str, device: str, train_cfg: dict, port: int) -> dict:
     json.dump(train_cfg, open(os.path.join(work, "train.json"), "w"))
-    env = dict(os.environ, DDP_DEVICE=device, PYTHONPATH=REPO + ":" + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, DDP_DEVICE=device, PYTHONPATH=":".join(filter(None, [os.environ.get("PYTHONPATH"), REPO])))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                         str(port), os.path.join(REPO, "tests", "workers", "ddp_worker.py"), work], env=env, capture_output=True,
                        text=True, timeout=900)
@@ -120,7 +121,7 @@ def main() -> int:
         ddp = run_ddp(args.work, args.device, cfg, 29641 + len(rows))
         single, weights = run_single(args.work, args.device, cfg)
         agree = compare(args.work, weights)
-        # throughput after the warm-up steps (training.trainer's "steady"): the first steps carry NCCL's
+        # throughput after the warm-up steps (sglang_ext.training.trainer's "steady"): the first steps carry NCCL's
         # communicator setup and kernel autotuning, which in session 9 made two GPUs look 2-4x slower than one
         r = {"config": cfg, "two_ranks": ddp, "one_process": single, **agree,
              "tokens_per_s_two_ranks": steady_rate(ddp), "tokens_per_s_one_process": steady_rate(single),

@@ -1,5 +1,5 @@
 """GPU check of the GSM8K evaluation's server path against a real SGLang 0.5.17 server with the
-plugin: a tiny DeepseekV3 target and an MHA Eagle3 head exported by the core; `eval.gsm8k` with
+plugin: a tiny DeepseekV3 target and an MHA Eagle3 head exported by the core; `sglang_ext.eval.gsm8k` with
 `--base-url` writes the three reports and reads acceptance from meta_info; the reference decoder
 (transformers, same weights) runs the same prompts so the two can be compared.
 
@@ -16,7 +16,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# the checkout last: an installed sglang_ext (a wheel on PYTHONPATH) wins; else the editable install's
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from serverlib import Server  # noqa: E402
 
 from sglang_ext.core import tiny  # noqa: E402
@@ -42,7 +43,7 @@ def main():
     args = ["--model-path", f"{WORK}/target", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
             f"{WORK}/draft", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
             "--speculative-num-draft-tokens", "4"]
-    from eval import gsm8k as G
+    from sglang_ext.eval import gsm8k as G
 
     with Server("eval-spec", args) as srv:
         if not srv.wait_ready(300):

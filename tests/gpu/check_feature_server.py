@@ -1,6 +1,6 @@
 """GPU check: draft-training features captured by an SGLang feature server of the target (the plugin with
-SGLANG_EXT_FEATURE_DIR, training.features.ServerFeatureExtractor) against the same features computed
-in-process by transformers (training.features.FeatureExtractor), on the same conversations.
+SGLANG_EXT_FEATURE_DIR, sglang_ext.training.features.ServerFeatureExtractor) against the same features computed
+in-process by transformers (sglang_ext.training.features.FeatureExtractor), on the same conversations.
 
 Prints, per tensor (aux states at the convention's layers, final normed hidden), the relative error
 |server - transformers| / |transformers| (median and max over conversations) and the cosine similarity,
@@ -21,7 +21,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# the checkout last: an installed sglang_ext (a wheel on PYTHONPATH) wins; else the editable install's
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from serverlib import Server, tp_args  # noqa: E402
 
 
@@ -37,8 +38,8 @@ def main() -> int:
 
     from sglang_ext.config.aux_layers import default_output_ids
     from sglang_ext.core.capture import text_config_of
-    from training import data as D
-    from training.features import FeatureExtractor, ServerFeatureExtractor
+    from sglang_ext.training import data as D
+    from sglang_ext.training.features import FeatureExtractor, ServerFeatureExtractor
     from sglang_ext.core.targets import load_target
 
     target_dir = args.target

@@ -1,6 +1,6 @@
 """GPU check of the MLA scale target (issue: MLA scale target).
 
-1. `python -m training.scale_target` with the GPU defaults on the staged data (`.gpu-state/data`,
+1. `python -m sglang_ext.training.scale_target` with the GPU defaults on the staged data (`.gpu-state/data`,
    written by tests/gpu/stage_data.py), timed end to end (loading SmolLM2 and data included).
 2. Greedy outputs on GSM8K chat prompts: transformers (fp32, with top-2 logprob gaps) vs SGLang 0.5.17
    serving the checkpoint with the plugin and without it (no speculation).
@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
+# the checkout last: an installed sglang_ext (a wheel on PYTHONPATH) wins; else the editable install's
+sys.path.append(REPO)
 from serverlib import Server  # noqa: E402
 
 WORK = os.environ.get("SCALE_WORK", "/tmp/scale")
@@ -33,7 +34,7 @@ MAX_NEW = 64
 
 def build() -> dict:
     t = time.time()
-    cmd = [sys.executable, "-m", "training.scale_target", "--out", f"{WORK}/target",
+    cmd = [sys.executable, "-P", "-m", "sglang_ext.training.scale_target", "--out", f"{WORK}/target",
            "--data", f"messages:{DATA}/sharegpt.jsonl.gz", "--gsm8k-data", f"{DATA}/gsm8k-test.jsonl",
            *os.environ.get("SCALE_ARGS", "").split()]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -49,7 +50,7 @@ def build() -> dict:
 
 
 def prompts(tok) -> list[list[int]]:
-    from training.chat import prompt_ids
+    from sglang_ext.training.chat import prompt_ids
 
     rows = [json.loads(line) for line in open(f"{DATA}/gsm8k-test.jsonl")][:N_PROMPTS]
     return [prompt_ids(tok, [{"role": "user", "content": r["question"]}]) for r in rows]

@@ -3,7 +3,7 @@ and acceptance reporting without the bonus token (issues: head formats + KV pool
 
 Builds a tiny DeepseekV3 target (8 layers, DeepSeek-V3 MLA dims, one MoE layer) and a ChatML BPE
 tokenizer, trains an MHA head and an MLA head with `q_lora_rank: null` under our architecture name
-`Eagle3DeepseekV3ForCausalLM` (`python -m training.train_draft`, in-process regeneration), then for
+`Eagle3DeepseekV3ForCausalLM` (`python -m sglang_ext.training.train_draft`, in-process regeneration), then for
 each arm starts `python -m sglang.launch_server` (CUDA graphs on, --enable-metrics) and sends the
 same chat prompts (64 in flight, greedy). Per arm it reports: outputs equal to the target alone
 (partings at a near-tie, top-2 logprob gap <= 0.02, counted), the invariant completion_tokens =
@@ -32,7 +32,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# the checkout last: an installed sglang_ext (a wheel on PYTHONPATH) wins; else the editable install's
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from serverlib import Server, attention_backend, port, tp_args  # noqa: E402
 
 from sglang_ext.config import Eagle3DraftConfig, TargetConfig  # noqa: E402
@@ -123,7 +124,7 @@ def build_external():
     if not os.path.exists(f"{WORK}/target"):
         os.symlink(os.path.abspath(EXTERNAL_TARGET), f"{WORK}/target")
     tok = AutoTokenizer.from_pretrained(f"{WORK}/target")
-    from training.chat import prompt_ids
+    from sglang_ext.training.chat import prompt_ids
 
     rows = [json.loads(line) for line in open(f"{DATA}/gsm8k-test.jsonl")]
     # the last rows: the heads' held-out acceptance uses the first ones
@@ -178,10 +179,11 @@ def train_heads() -> subprocess.Popen | None:
         mla_extra = ""
     cmds = []
     if not os.path.exists(f"{WORK}/head-mha/model.safetensors"):
-        cmds.append(f"{sys.executable} -m training.train_draft {common} --data {mha_data} --draft-format mha "
-                    f"--out {WORK}/head-mha")
+        cmds.append(f"{sys.executable} -P -m sglang_ext.training.train_draft {common} --data {mha_data} "
+                    f"--draft-format mha --out {WORK}/head-mha")
     if not os.path.exists(f"{WORK}/head-mla/model.safetensors"):
-        mla = (f"rm -rf {WORK}/train/checkpoint {WORK}/train/features && {sys.executable} -m training.train_draft {common} "
+        mla = (f"rm -rf {WORK}/train/checkpoint {WORK}/train/features && "
+               f"{sys.executable} -P -m sglang_ext.training.train_draft {common} "
                f"--data {mla_data} --draft-format mla --out {WORK}/head-mla {mla_extra}")
         cmds.append(f"( ( {mla} ) || ( {mla} --precision fp32 ) )")  # the trainer stops at a non-finite loss
     if not cmds:
@@ -215,7 +217,7 @@ def same_prompts_acceptance(srv: Server, head: str) -> dict | None:
         return None
     from transformers import AutoTokenizer
 
-    from training.train_draft import gsm8k_prompts, prompts_unlike_report
+    from sglang_ext.training.train_draft import gsm8k_prompts, prompts_unlike_report
 
     acc = json.load(open(path))["acceptance"]
     tok = AutoTokenizer.from_pretrained(f"{WORK}/target")
@@ -447,7 +449,7 @@ def prepare_head(head: str | None) -> None:
     if head == "mla":
         rename_mla_head()
     if head == "mha-upstream":  # the same head, its ids written the way upstream reads undeclared ids
-        from eval.spec_bench import upstream_copy
+        from sglang_ext.eval.spec_bench import upstream_copy
 
         upstream_copy(f"{WORK}/head-mha", f"{WORK}/head-mha-upstream")
     if head is not None:  # SGLang reads the draft directory's tokenizer files too
@@ -542,7 +544,7 @@ def evaluate(name: str, srv: Server, state: dict, t_start: float) -> dict:
             row["same_prompts"] = same_prompts_acceptance(srv, head)
             gsm_out = os.environ.get("GPU_CHECK_GSM8K_OUT")
             if gsm_out and name == "mha-chain":  # the GSM8K eval against the server, spec on
-                from eval import gsm8k as G
+                from sglang_ext.eval import gsm8k as G
 
                 row["gsm8k_rc"] = G.main([
                     "--base-url", srv.url, "--tokenizer", f"{WORK}/target",

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Starts the GPU session's background work detached (a device `run` kills what it leaves in its own
 # session), then watches it. One GPU: the scale pipeline. Two GPUs (nvidia-h200-x2): the pipeline on
-# GPU 0 and, on GPU 1 (GPU1=bench|specforge|ddp,specforge|ddp,bench|none), the benchmark suite (eval.spec_bench
+# GPU 0 and, on GPU 1 (GPU1=bench|specforge|ddp,specforge|ddp,bench|none), the benchmark suite (sglang_ext.eval.spec_bench
 # all, the default) or the SpecForge training comparison (each after the two-GPU DDP check with ddp,...), side by
 # side; on one GPU, GPU1=specforge runs that comparison on the pipeline's GPU.
 #   bash tests/gpu/launch.sh SECONDS_OF_WORK
@@ -19,7 +19,7 @@ fi
 mkdir -p /tmp/scale /tmp/specbench
 rm -f /tmp/scale/progress.log /tmp/specbench/bench.log
 GPUS=$(nvidia-smi -L | wc -l)
-GPU1=${GPU1:-bench}  # the second GPU's work: bench (eval.spec_bench), specforge (the trainer comparison),
+GPU1=${GPU1:-bench}  # the second GPU's work: bench (sglang_ext.eval.spec_bench), specforge (the trainer comparison),
                      # ddp,specforge / ddp,bench (first tests/gpu/check_ddp.py, which also uses GPU 0 for a
                      # minute), none.
                      # On one GPU, specforge runs beside the pipeline on that GPU after SPECFORGE_DELAY_S
@@ -50,7 +50,7 @@ elif [ "$GPUS" -ge 2 ] && { [ "$GPU1" = bench ] || [ "$GPU1" = ddp,bench ]; }; t
   # the benchmark starts no arm later than 250 s before the pipeline's deadline (after the DDP check, if any)
   END=$(( $(date +%s) + BUDGET - 250 ))
   SPEC_BENCH_WORK=/tmp/specbench setsid nohup bash -c \
-    "$DDP export CUDA_VISIBLE_DEVICES=1; python -m eval.spec_bench all --out /tmp/specbench/benchmarks.md --port 31177 --deadline-s \$(( $END - \$(date +%s) )) ${BENCH_ARGS:-}; echo \"[bench] EXIT \$?\"" \
+    "$DDP export CUDA_VISIBLE_DEVICES=1; python -P -m sglang_ext.eval.spec_bench all --out /tmp/specbench/benchmarks.md --port 31177 --deadline-s \$(( $END - \$(date +%s) )) ${BENCH_ARGS:-}; echo \"[bench] EXIT \$?\"" \
     > /tmp/specbench/bench.log 2>&1 < /dev/null &
 fi
 sleep 3

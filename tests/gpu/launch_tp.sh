@@ -77,7 +77,7 @@ cat > $TP/job.sh <<JOB
 say() { echo "[tp \$(date +%H:%M:%S)] \$*" >> $TP/progress.log; }
 bench() {  # WORK TP PORT OPTIONS-AND-ARMS...
   local work=\$1 tp=\$2 port=\$3; shift 3
-  SPEC_BENCH_WORK=\$work SPEC_BENCH_TP=\$tp python -m eval.spec_bench all --port \$port --out \$work/benchmarks.md "\$@"
+  SPEC_BENCH_WORK=\$work SPEC_BENCH_TP=\$tp python -P -m sglang_ext.eval.spec_bench all --port \$port --out \$work/benchmarks.md "\$@"
 }
 check() {  # WORK TP DEADLINE RESTORE ARM... (each check builds the same tiny target; prompts, heads restored)
   local work=\$1 tp=\$2 deadline=\$3 restore=\$4; shift 4
@@ -105,7 +105,7 @@ say "phase 1: TP=1 check_serving ($ARMS) on GPU 0; GPU 1: check arms ($DET_ARMS)
     CUDA_VISIBLE_DEVICES=1 bench /tmp/tpbench1 1 31177 --deadline-s $P1 $P1_BENCH_OPTS $P1_BENCH_ARMS > $TP/bench-tp1.log 2>&1
     say "bench TP=1 rc \$?"
   elif [ -n "$BENCH_ARMS" ]; then  # GPU 1 is free before GPU 0: build for phase 2's TP=2 arms now
-    CUDA_VISIBLE_DEVICES=1 SPEC_BENCH_WORK=/tmp/tpbench1 python -m eval.spec_bench build > $TP/bench-build.log 2>&1
+    CUDA_VISIBLE_DEVICES=1 SPEC_BENCH_WORK=/tmp/tpbench1 python -P -m sglang_ext.eval.spec_bench build > $TP/bench-build.log 2>&1
     say "Kimi-shaped build rc \$?"
   fi
   ) &

@@ -1,7 +1,7 @@
 """The GPU run on the MLA scale target, end to end, as one background pipeline (issues: scale target,
 trainer, evaluation, head formats, worker + metrics). Steps, each skipped when its output exists:
 
-1. build   `training.scale_target` (GPU defaults, staged data), timed end to end;
+1. build   `sglang_ext.training.scale_target` (GPU defaults, staged data), timed end to end;
 2. target  SGLang with the plugin, no speculation, check_serving's target-arm flags: greedy outputs
            (with top-2 logprobs) of check_serving's prompts -- the reference of the spec arms -- and the
            same prompts one at a time (the target's own batch-composition noise floor); greedy vs
@@ -9,7 +9,7 @@ trainer, evaluation, head formats, worker + metrics). Steps, each skipped when i
            the trainer's regeneration (`--regen-server`) of ShareGPT + GSM8K-train first turns;
 3. upstream the same target in SGLang without the plugin, and with the plugin in fp32: greedy vs
            transformers;
-4. heads   `training.train_draft` MHA and MLA (the MLA run reuses the MHA run's regenerated data and
+4. heads   `sglang_ext.training.train_draft` MHA and MLA (the MLA run reuses the MHA run's regenerated data and
            features): one after the other on one GPU (the MLA trainer starts when the MHA trainer's training
            loop ends; session 16: two trainers sharing an H200 each got under half its throughput and lost
            ~140 s outside their loops), side by side with MLA_TRAIN_GPU;
@@ -63,7 +63,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-sys.path.insert(0, REPO)
+# the checkout last: an installed sglang_ext (a wheel on PYTHONPATH) wins; else the editable install's
+sys.path.append(REPO)
 
 ROOT = os.environ.get("PIPE_ROOT", "/tmp/scale")  # the pipeline's work; another root in tests
 TARGET = f"{ROOT}/target"
@@ -292,7 +293,7 @@ def save(name: str, obj) -> None:
 
 def step_build() -> None:
     if os.path.exists(f"{TARGET}/scale_target_report.json"):
-        from training.scale_target import widen_kv_latent
+        from sglang_ext.training.scale_target import widen_kv_latent
 
         old = widen_kv_latent(TARGET, 512)  # a target built before the 512 default (exact rewrite)
         if old != 512:
@@ -344,7 +345,7 @@ def train_minutes(fmt: str, regenerates: bool) -> float:
 
 
 def trainer_args(fmt: str, work: str, regen_url: str | None) -> list[str]:
-    """training.train_draft's arguments for one head."""
+    """sglang_ext.training.train_draft's arguments for one head."""
     args = [*TRAIN_COMMON, *TRAIN_DATA, "--work", work, "--draft-format", fmt, "--out", f"{CHECK_WORK}/head-{fmt}",
             "--max-train-minutes", str(train_minutes(fmt, regen_url is not None))]
     if regen_url:
@@ -355,7 +356,7 @@ def trainer_args(fmt: str, work: str, regen_url: str | None) -> list[str]:
 def start_trainer(fmt: str, work: str, regen_url: str | None) -> subprocess.Popen:
     args = trainer_args(fmt, work, regen_url)
     minutes = args[args.index("--max-train-minutes") + 1]
-    cmd = [PY, "-m", "training.train_draft", *args]
+    cmd = [PY, "-P", "-m", "sglang_ext.training.train_draft", *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # MLA_TRAIN_GPU: the MLA head trains on a GPU of its own (nvidia-h200-x2: the pipeline holds GPU 0 through
     # CUDA_VISIBLE_DEVICES, so the physical index is given here)
@@ -454,7 +455,7 @@ def step_target_and_regen() -> dict:
         if need_regen:
             trainers["mha"] = start_trainer("mha", f"{ROOT}/train-mha", srv.url)
         if "gsm8k" not in SKIP:
-            from eval import gsm8k as G
+            from sglang_ext.eval import gsm8k as G
 
             t = time.time()
             rc = G.main(["--base-url", srv.url, "--tokenizer", TARGET, "--data-path", f"{DATA}/gsm8k-test.jsonl",
@@ -558,7 +559,7 @@ def step_arms(arms: list[str]) -> None:
     if REF_EVAL is None and "gsm8k" not in SKIP and "mha" in {arm_head(a) for a in arms} and not os.path.exists(
             f"{RESULTS}/gsm8k-reference/report.json"):
         REF_EVAL = subprocess.Popen(
-            [PY, "-m", "eval.gsm8k", "--target", TARGET, "--draft", f"{CHECK_WORK}/head-mha", "--device", "cuda",
+            [PY, "-P", "-m", "sglang_ext.eval.gsm8k", "--target", TARGET, "--draft", f"{CHECK_WORK}/head-mha", "--device", "cuda",
              "--data-path", f"{DATA}/gsm8k-test.jsonl", "--fewshot-path", f"{DATA}/gsm8k-train.jsonl",
              "--limit", os.environ.get("REF_EVAL_LIMIT", "40"), "--out", f"{RESULTS}/gsm8k-reference"],
             cwd=REPO, stdout=open(f"{ROOT}/eval-reference.log", "w"), stderr=subprocess.STDOUT)
@@ -584,7 +585,7 @@ def step_reference_eval() -> None:
         REF_EVAL.kill()
     say("arms: reference eval: " + open(f"{ROOT}/eval-reference.log", errors="replace").read()[-600:])
     # the reference decoder and the server on the same questions (greedy, same target): accuracy must agree
-    from eval.gsm8k import agreement
+    from sglang_ext.eval.gsm8k import agreement
 
     def records(name: str, arm: str):
         path = f"{RESULTS}/{name}/report.json"
@@ -618,7 +619,7 @@ def step_specforge() -> None:
                         wheels[0]], check=True)
     env = dict(os.environ, PYTHONPATH="/tmp/sfsite:" + os.environ.get("PYTHONPATH", ""))
     try:
-        p = subprocess.run([PY, "-m", "training.bench_vs_specforge", "--profile", "--dense-too",
+        p = subprocess.run([PY, "-P", "-m", "sglang_ext.training.bench_vs_specforge", "--profile", "--dense-too",
                             "--json", f"{RESULTS}/specforge.json"],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=max(60, left() - 30))
         with open(f"{RESULTS}/specforge.txt", "w") as f:  # the whole table and profile (the log keeps a tail)
@@ -669,7 +670,7 @@ def run() -> int:
     return 0
 
 
-BENCH_LOG = "/tmp/specbench/bench.log"  # eval.spec_bench, when started beside the pipeline (another GPU)
+BENCH_LOG = "/tmp/specbench/bench.log"  # sglang_ext.eval.spec_bench, when started beside the pipeline (another GPU)
 
 
 def pipeline_running() -> bool:

@@ -17,10 +17,11 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
+# the checkout last: an installed sglang_ext (a wheel on PYTHONPATH) wins; else the editable install's
+sys.path.append(REPO)
 
-from training.data import LoadReport, load_source  # noqa: E402
-from training.scale_target import GPU_CONVERSATIONS as SCALE_TARGET_CONVERSATIONS  # noqa: E402
+from sglang_ext.training.data import LoadReport, load_source  # noqa: E402
+from sglang_ext.training.scale_target import GPU_CONVERSATIONS as SCALE_TARGET_CONVERSATIONS  # noqa: E402
 
 
 def main() -> int:

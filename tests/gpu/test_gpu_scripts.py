@@ -15,7 +15,7 @@ sys.path.insert(0, "tests/gpu")
 import check_scale_target, check_serving as CS, scale_pipeline as SP, serverlib
 import os
 pipeline_backend = os.environ.pop("GPU_CHECK_ATTENTION_BACKEND", None)  # the pipeline keeps Triton (its figures')
-from training.train_draft import parse_args
+from sglang_ext.training.train_draft import parse_args
 from sglang.srt.server_args import ServerArgs
 
 import time
@@ -212,7 +212,7 @@ def test_launch_tp_default_arms_exist():
                                     os.environ, GPU_CHECK_WORK="/tmp/gpu-script-check"))
     assert check_arms.returncode == 0, check_arms.stderr[-2000:]
     known = set(json.loads(check_arms.stdout.strip().splitlines()[-1]))
-    from eval.spec_bench import ARMS as BENCH
+    from sglang_ext.eval.spec_bench import ARMS as BENCH
 
     for var, universe in (("TP_ARMS", known), ("DET_ARMS", known), ("TP_BENCH_ARMS", set(BENCH)),
                           ("P1_BENCH_ARMS", set(BENCH))):

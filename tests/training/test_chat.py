@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from training.chat import ChatTemplateError, render
+from sglang_ext.training.chat import ChatTemplateError, render
 
-from training_support import tiny_pair  # noqa: F401 -- a fixture
-from training_support import CONV, DEEPSEEK, KIMI, U1, A1, U2, A2, masked_runs, real_template, tokenizer
+from train_support import tiny_pair  # noqa: F401 -- a fixture
+from train_support import CONV, DEEPSEEK, KIMI, U1, A1, U2, A2, masked_runs, real_template, tokenizer
 
 
 @pytest.mark.parametrize("template,end", [(None, "<|im_end|>"), (DEEPSEEK, "<｜end▁of▁sentence｜>"),
@@ -55,7 +55,7 @@ def test_templates_that_rewrite_history_train_the_last_turn(name, msgs, expected
 
 def test_a_template_that_refuses_a_row_skips_it_not_the_run(tmp_path):
     """Mixtral's template raises on a system turn: that conversation is skipped and counted, before regeneration."""
-    from training.train_draft import load_conversations, parse_args
+    from sglang_ext.training.train_draft import load_conversations, parse_args
 
     tok = real_template("mixtral", bos="<s>", eos="</s>")
     p = tmp_path / "m.jsonl"
@@ -78,7 +78,7 @@ def test_a_template_that_refuses_a_row_skips_it_not_the_run(tmp_path):
     ("Four", "Four"),
 ])
 def test_reasoning_drop_removes_every_shape_of_reasoning(content, expected):
-    from training.chat import apply_reasoning
+    from sglang_ext.training.chat import apply_reasoning
 
     out = apply_reasoning([U2, {"role": "assistant", "content": content, "reasoning_content": "r"}], "drop")
     assert out[1] == {"role": "assistant", "content": expected}
@@ -98,7 +98,7 @@ def test_an_answer_that_was_all_reasoning_is_skipped_under_drop():
 def test_template_probes_render_once_per_template_and_follow_a_changed_template():
     """end_of_turn / turn_prefix / prompt_opens_think render probe conversations: once per template, not on each of the
     conversations feature capture renders; another template (or other special tokens) is probed afresh."""
-    from training.chat import end_of_turn
+    from sglang_ext.training.chat import end_of_turn
 
     tok = real_template("deepseek_r1", bos="<｜begin▁of▁sentence｜>")
     calls = []
@@ -123,7 +123,7 @@ def test_template_probes_render_once_per_template_and_follow_a_changed_template(
 
 
 def test_reasoning_keep_passes_the_field_to_a_template_that_renders_it():
-    from training.chat import apply_reasoning
+    from sglang_ext.training.chat import apply_reasoning
 
     turn = {"role": "assistant", "content": "Four", "reasoning_content": "two and two"}
     assert apply_reasoning([U2, turn], "keep", real_template("qwen3"))[1] == turn  # Qwen3 renders the field

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from training import data as D
+from sglang_ext.training import data as D
 
-from training_support import tiny_pair  # noqa: F401 -- a fixture
-from training_support import U1, A1, U2, A2
+from train_support import tiny_pair  # noqa: F401 -- a fixture
+from train_support import U1, A1, U2, A2
 
 
 def test_data_normalisation_counts_malformed_rows(tmp_path):
@@ -46,8 +46,8 @@ def test_packaged_sharegpt_reads_offline():
 def test_held_out_conversations_sample_every_source():
     """The held-out 5% come first after a seeded shuffle: both sources appear in them (in source order they
     were all from the first source), the order is the same for the same seed, and nothing is lost."""
-    from training.data import Conversation
-    from training.train_draft import extra_samples, held_out_first
+    from sglang_ext.training.data import Conversation
+    from sglang_ext.training.train_draft import extra_samples, held_out_first
 
     convs = [Conversation(f"sharegpt-{i}", []) for i in range(100)] + [Conversation(f"gsm8k-{i}", []) for i in range(100)]
     order = held_out_first(convs, seed=0)
@@ -64,7 +64,7 @@ def test_held_out_conversations_sample_every_source():
                                        ("messages:/nonexistent/chats.jsonl", "does not exist"),
                                        ("gsm8k:/nonexistent/train.jsonl:10", "does not exist")])
 def test_bad_data_sources_are_refused_before_the_target_loads(spec, text, capsys, monkeypatch):
-    import training.train_draft as td
+    import sglang_ext.training.train_draft as td
 
     monkeypatch.setattr(td, "load_tokenizer", lambda *a: pytest.fail("the target was loaded"))
     try:
@@ -75,7 +75,7 @@ def test_bad_data_sources_are_refused_before_the_target_loads(spec, text, capsys
 
 
 def test_conversations_without_ids_from_two_sources_keep_both(tmp_path, tiny_pair):
-    from training.train_draft import load_conversations, parse_args
+    from sglang_ext.training.train_draft import load_conversations, parse_args
 
     _, tok = tiny_pair
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
@@ -141,7 +141,7 @@ def test_openai_rows_normalise():
 
 
 def test_a_cut_last_line_is_found_from_the_end_of_a_long_file(tmp_path):
-    from training.regenerate import open_for_append
+    from sglang_ext.training.regenerate import open_for_append
 
     p = tmp_path / "regen.jsonl"
     whole = "".join(json.dumps({"id": str(i), "messages": [U1, A1], "pad": "x" * 900}) + "\n" for i in range(200))

@@ -1,5 +1,5 @@
 """Draft-training features from an SGLang feature server (sglang_ext/serving/feature_capture.py) read by
-training.features.ServerFeatureExtractor: the server side's writer and the client give the same records as
+sglang_ext.training.features.ServerFeatureExtractor: the server side's writer and the client give the same records as
 the in-process extractor. SGLang cannot serve on this CPU, so the server here is a stand-in HTTP endpoint
 that runs the transformers target and writes with the plugin's own `write_chunks`, as the plugin does after
 each prefill forward (split in two chunks, beside another request, as chunked prefill would)."""
@@ -16,8 +16,8 @@ from conftest import stub_server
 from sglang_ext.core import tiny
 from sglang_ext.core.capture import AuxCapture
 from sglang_ext.serving import feature_capture as FC
-from training import data as D
-from training.features import FeatureExtractor, ServerFeatureExtractor, read_request
+from sglang_ext.training import data as D
+from sglang_ext.training.features import FeatureExtractor, ServerFeatureExtractor, read_request
 
 AUX = [0, 1, 2]
 
@@ -85,7 +85,7 @@ class StandIn(http.server.BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with self.lock:
             if self.path == "/v1/chat/completions":
-                from training.chat import prompt_ids
+                from sglang_ext.training.chat import prompt_ids
 
                 ids = torch.tensor([prompt_ids(self.tok, body["messages"])])
                 gen = self.target.generate(ids, max_new_tokens=body["max_tokens"], do_sample=False,
@@ -157,7 +157,7 @@ def test_feature_server_refuses_a_radix_cache_and_turns_capture_on(tmp_path, mon
 
 
 def test_train_draft_needs_the_feature_dir_with_a_server():
-    from training.train_draft import parse_args
+    from sglang_ext.training.train_draft import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--features-server", "http://x:1"])
@@ -185,7 +185,7 @@ def test_train_draft_with_only_the_target_weights_it_needs(tmp_path, capsys, fmt
     from that layer whole; an MHA head takes its MLP and norms, and its attention is fitted to the layer's."""
     from safetensors.torch import load_file
 
-    from training.train_draft import main, parse_args
+    from sglang_ext.training.train_draft import main, parse_args
 
     cfg = tiny.deepseek_v3_config(num_layers=8, moe_layers=1, hidden=64, heads=4, vocab=300, q_lora_rank=32,
                                   kv_lora_rank=32, qk_nope=16, qk_rope=8, v_head=16, n_routed_experts=4)

@@ -5,10 +5,10 @@ import os
 import pytest
 import torch
 
-from training.features import read_shards, write_shards
+from sglang_ext.training.features import read_shards, write_shards
 
-from training_support import tiny_pair  # noqa: F401 -- a fixture
-from training_support import _records
+from train_support import tiny_pair  # noqa: F401 -- a fixture
+from train_support import _records
 
 
 def test_feature_shards_round_trip_and_resume(tiny_pair, tmp_path):

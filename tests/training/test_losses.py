@@ -1,4 +1,4 @@
-"""training.losses.soft_cross_entropy: the TTT unroll's soft-label cross-entropy with a hand-written
+"""sglang_ext.training.losses.soft_cross_entropy: the TTT unroll's soft-label cross-entropy with a hand-written
 backward (it keeps no fp32 copies of the logits); it must equal -(p * log_softmax(z)).sum(-1) in value and
 gradient, in chunks or not, for bf16 logits as autocast gives them."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.losses import soft_cross_entropy
+from sglang_ext.training.losses import soft_cross_entropy
 
 
 def reference(logits, target, rows, cols):

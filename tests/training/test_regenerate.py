@@ -3,11 +3,11 @@
 
 import pytest
 
-from training import data as D
-from training.regenerate import GenerationOptions, LocalRegenerator, load_done
+from sglang_ext.training import data as D
+from sglang_ext.training.regenerate import GenerationOptions, LocalRegenerator, load_done
 
-from training_support import tiny_pair  # noqa: F401 -- a fixture
-from training_support import CONV, U1, A1, U2, A2
+from train_support import tiny_pair  # noqa: F401 -- a fixture
+from train_support import CONV, U1, A1, U2, A2
 
 
 def test_regenerate_turn_by_turn_and_resume(tiny_pair, tmp_path):
@@ -24,7 +24,7 @@ def test_regenerate_turn_by_turn_and_resume(tiny_pair, tmp_path):
     assert [m["role"] for m in x] == ["user", "assistant", "user", "assistant"]
     assert x[1]["content"] != "Hello there" and x[0] == convs[0].messages[0]
     # turn 2 was generated after turn 1's regenerated answer: the target's own continuation
-    from training.chat import prompt_ids
+    from sglang_ext.training.chat import prompt_ids
     expected = regen._generate([prompt_ids(tok, x[:3])])[0]
     assert x[3]["content"] == expected
     assert sum(1 for _ in open(out)) == 2
@@ -58,7 +58,7 @@ def test_regeneration_resumes_after_a_cut_line_and_writes_as_it_goes(tiny_pair, 
 
 
 def test_server_regeneration_keeps_reasoning_content(monkeypatch):
-    import training.regenerate as R
+    import sglang_ext.training.regenerate as R
 
     sent = []
 

@@ -1,4 +1,5 @@
-"""training.remeasure: an exported head's reported acceptance, re-measured from its files and paired per prompt."""
+"""sglang_ext.training.remeasure: an exported head's reported acceptance, re-measured from its files and paired per
+prompt."""
 
 import json
 
@@ -8,8 +9,8 @@ import torch
 from sglang_ext.core import tiny
 from sglang_ext.core.heads import Eagle3Head
 from sglang_ext.core.targets import load_target, load_tokenizer
-from training.remeasure import main
-from training.train_draft import acceptance_estimate, gsm8k_prompts, prompt_digest
+from sglang_ext.training.remeasure import main
+from sglang_ext.training.train_draft import acceptance_estimate, gsm8k_prompts, prompt_digest
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from training import scale_target as st
+from sglang_ext.training import scale_target as st
 
 
 def test_group0_rope_survives_the_layout_change():

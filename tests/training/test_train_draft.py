@@ -7,13 +7,13 @@ import pytest
 
 from sglang_ext.core import tiny
 
-from training_support import tiny_pair  # noqa: F401 -- a fixture
+from train_support import tiny_pair  # noqa: F401 -- a fixture
 
 from conftest import REPO as REPO_ROOT  # noqa: E402
 
 
 def test_yaml_values_are_defaults_checked_like_options(tmp_path):
-    from training.train_draft import parse_args
+    from sglang_ext.training.train_draft import parse_args
 
     from conftest import REPO as here
     example = os.path.join(here, "training", "configs", "gpu-example.yaml")
@@ -31,7 +31,7 @@ def test_yaml_values_are_defaults_checked_like_options(tmp_path):
 
 
 def test_out_is_checked_before_anything_runs_and_replaced_whole(tmp_path, capsys):
-    from training.train_draft import export_dir_problem, main, replace_dir
+    from sglang_ext.training.train_draft import export_dir_problem, main, replace_dir
 
     theirs = tmp_path / "theirs"
     theirs.mkdir()
@@ -62,7 +62,7 @@ def test_out_is_checked_before_anything_runs_and_replaced_whole(tmp_path, capsys
 
 
 def test_example_config_is_accepted_by_the_cli():
-    from training.train_draft import parse_args
+    from sglang_ext.training.train_draft import parse_args
 
     from conftest import REPO as here
     args = parse_args(["--config", os.path.join(here, "training", "configs", "gpu-example.yaml")])
@@ -72,7 +72,7 @@ def test_example_config_is_accepted_by_the_cli():
 def test_trainer_speed_benchmark_runs_our_side_on_the_cpu(tmp_path):
     """The GPU comparison with SpecForge (training/bench_vs_specforge.py) measures our step on the
     same tensors SpecForge gets; SpecForge itself is not a dependency (it pins another SGLang)."""
-    from training import bench_vs_specforge as b
+    from sglang_ext.training import bench_vs_specforge as b
 
     out = tmp_path / "r.json"
     assert b.main(["--tiny", "--ours-only", "--seq-len", "64", "--steps", "2", "--ttt", "3", "--json", str(out)]) == 0
@@ -81,7 +81,7 @@ def test_trainer_speed_benchmark_runs_our_side_on_the_cpu(tmp_path):
 
 
 def test_train_draft_under_torchrun_rank0_prepares_and_exports(tmp_path):
-    """`torchrun --nproc_per_node 2 -m training.train_draft ...` on the CPU: rank 0 regenerates and
+    """`torchrun --nproc_per_node 2 -m sglang_ext.training.train_draft ...` on the CPU: rank 0 regenerates and
     captures while rank 1 waits, both train, rank 0 alone exports and reports. With --regen-samples 2
     every training prompt gets a second, sampled response; the held-out prompt keeps one."""
     import gzip
@@ -98,7 +98,8 @@ def test_train_draft_under_torchrun_rank0_prepares_and_exports(tmp_path):
         for i in range(4):
             f.write(json.dumps({"question": f"what is the total {i}", "answer": "#### 3"}) + "\n")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534",
-                        "-m", "training.train_draft", "--target", str(tmp_path / "target"), "--aux-layers", "0,1,2",
+                        "-m", "sglang_ext.training.train_draft", "--target", str(tmp_path / "target"),
+                        "--aux-layers", "0,1,2",
                         "--max-new-tokens", "8", "--draft-vocab-size", "128", "--epochs", "1", "--ttt-steps", "2",
                         "--eval-data", str(tmp_path / "gsm.jsonl"), "--eval-prompts", "2", "--eval-max-new-tokens", "8",
                         "--device", "cpu", "--batch-tokens", "128", "--max-train-minutes", "0",  # ranks stop together
@@ -127,7 +128,7 @@ def test_cpu_default_run_keeps_within_its_time_budget():
     """`make train-draft` on the CPU must end within 20 minutes on a slower machine too: training gets what the
     budget leaves after regeneration and features (the schedule is then fitted to it), and an explicit
     --max-train-minutes wins."""
-    from training.train_draft import parse_args, train_seconds_limit
+    from sglang_ext.training.train_draft import parse_args, train_seconds_limit
 
     cpu = parse_args(["--device", "cpu"])
     assert cpu.time_budget_minutes == 19.5 and cpu.max_train_minutes is None
@@ -139,7 +140,7 @@ def test_cpu_default_run_keeps_within_its_time_budget():
 
 @pytest.mark.parametrize("value", ["-0.1", "1.5"])
 def test_a_weight_decay_out_of_range_is_refused_at_parsing(value, capsys):
-    from training.train_draft import parse_args
+    from sglang_ext.training.train_draft import parse_args
 
     with pytest.raises(SystemExit) as e:
         parse_args(["--device", "cpu", "--weight-decay", value])
@@ -147,7 +148,7 @@ def test_a_weight_decay_out_of_range_is_refused_at_parsing(value, capsys):
 
 
 def test_fit_attention_steps_only_where_the_attention_was_not_taken(capsys):
-    from training.train_draft import FIT_ATTENTION_AUTO_STEPS, fit_attention_steps, parse_args
+    from sglang_ext.training.train_draft import FIT_ATTENTION_AUTO_STEPS, fit_attention_steps, parse_args
 
     mlp_only = ["mlp", "input_layernorm", "hidden_norm", "post_attention_layernorm"]
     assert fit_attention_steps("auto", mlp_only, 27, [1, 14, 26], 30) == FIT_ATTENTION_AUTO_STEPS

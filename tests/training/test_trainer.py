@@ -9,12 +9,12 @@ import torch
 
 from sglang_ext.core import tiny
 from sglang_ext.core.heads import Eagle3Head, head_config_for
-from training import data as D
-from training.features import FeatureExtractor, read_shards, write_shards
-from training.trainer import TrainConfig, init_head_from_target, train
+from sglang_ext.training import data as D
+from sglang_ext.training.features import FeatureExtractor, read_shards, write_shards
+from sglang_ext.training.trainer import TrainConfig, init_head_from_target, train
 
-from training_support import tiny_pair  # noqa: F401 -- a fixture
-from training_support import _features_and_lm, _head, _records
+from train_support import tiny_pair  # noqa: F401 -- a fixture
+from train_support import _features_and_lm, _head, _records
 
 
 def test_resume_gives_the_same_weights(tiny_pair, tmp_path):
@@ -39,7 +39,7 @@ def test_batched_conversations_do_not_see_each_other(tiny_pair):
     """Batching (GPU default) is one forward over several right-padded conversations: a batch of a
     conversation with itself scores exactly like the conversation alone, and the accuracy counts of a
     batch of different lengths are the sums of its members' (padding never selected, never attended)."""
-    from training.trainer import batches, ttt_loss
+    from sglang_ext.training.trainer import batches, ttt_loss
 
     recs, lm = _features_and_lm(tiny_pair, n=3)
     head = _head(tiny_pair, recs)
@@ -150,7 +150,7 @@ def test_resume_refuses_a_checkpoint_of_another_config(tiny_pair, tmp_path):
 def test_a_run_killed_between_the_checkpoint_files_resumes_from_the_weights(tiny_pair, tmp_path):
     """state.safetensors is written whole (temp file, rename) and carries the step: a stale or damaged trainer.json
     beside it (killed between the two writes) cannot make a resume replay a step on already-updated weights."""
-    from training.trainer import checkpoint_meta
+    from sglang_ext.training.trainer import checkpoint_meta
 
     recs, lm = _features_and_lm(tiny_pair)
     cfg = TrainConfig(ttt_steps=2, max_steps=4, checkpoint_every=1)
@@ -211,7 +211,7 @@ def test_non_finite_loss_stops_training_before_anything_is_saved(tiny_pair, tmp_
 
 
 def test_decoder_layer_can_start_from_a_target_layer(tiny_pair):
-    from training.trainer import init_layer_from_target
+    from sglang_ext.training.trainer import init_layer_from_target
 
     target, _ = tiny_pair
     head = Eagle3Head(head_config_for(target.config, "mha", [0, 1, 2]))
@@ -293,7 +293,7 @@ def test_data_parallel_training_equals_one_process_with_the_same_global_batch(ti
 
 
 def test_fit_total_lays_the_schedule_over_the_time_left():
-    from training.trainer import fit_total
+    from sglang_ext.training.trainer import fit_total
 
     assert fit_total(step=100, planned=500, seconds_left=100.0, seconds_per_step=1.0) == 200  # time binds
     assert fit_total(step=100, planned=150, seconds_left=100.0, seconds_per_step=1.0) == 150  # the plan binds
@@ -307,7 +307,7 @@ def test_time_limited_training_finishes_its_fitted_schedule(tiny_pair, monkeypat
     reading, deterministic) stands in for the wall clock."""
     import itertools
 
-    from training import trainer as T
+    from sglang_ext.training import trainer as T
 
     ticks = itertools.count()
     monkeypatch.setattr(T, "clock", lambda: next(ticks) * 0.01)
@@ -352,7 +352,7 @@ def test_weight_decay_shrinks_the_matrices_and_leaves_the_norms(tiny_pair):
 def test_target_attention_is_the_attention_block_of_the_layer(kind, tmp_path):
     """What the head's attention is fitted to: the layer's output is its input plus this block plus the MLP
     of their sum (checked against the target's own forward, for MHA and MLA layers)."""
-    from training.trainer import TargetAttention
+    from sglang_ext.training.trainer import TargetAttention
 
     cfg = (tiny.llama_config(num_layers=3, hidden=64, heads=4, kv_heads=2, vocab=300) if kind == "llama" else
            tiny.deepseek_v3_config(num_layers=3, moe_layers=1, hidden=64, heads=4, vocab=300, q_lora_rank=32,
@@ -381,7 +381,7 @@ def test_target_attention_is_the_attention_block_of_the_layer(kind, tmp_path):
 def test_an_mha_head_under_an_mla_target_fits_its_attention_to_the_layer():
     """An MHA head cannot take an MLA layer's weights; fit_attention_to_target regresses its attention on the
     layer's attention block over real feature records, and moves nothing else."""
-    from training.trainer import fit_attention_to_target, init_layer_from_target
+    from sglang_ext.training.trainer import fit_attention_to_target, init_layer_from_target
 
     tok = tiny.train_tokenizer(300)
     cfg = tiny.deepseek_v3_config(num_layers=4, moe_layers=0, hidden=64, heads=4, vocab=len(tok), q_lora_rank=32,

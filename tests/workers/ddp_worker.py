@@ -11,11 +11,12 @@ import time
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# the checkout last: an installed sglang_ext (a wheel on PYTHONPATH) wins; else the editable install's
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from sglang_ext.config import Eagle3DraftConfig  # noqa: E402
 from sglang_ext.core.heads import Eagle3Head  # noqa: E402
-from training.features import read_shards  # noqa: E402
-from training.trainer import TrainConfig, train  # noqa: E402
+from sglang_ext.training.features import read_shards  # noqa: E402
+from sglang_ext.training.trainer import TrainConfig, train  # noqa: E402
 
 
 def train_dir(d: str, device: torch.device, cfg: dict, perturb: bool = False) -> tuple[Eagle3Head, dict]:

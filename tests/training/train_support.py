@@ -7,9 +7,9 @@ import torch
 
 from sglang_ext.core import tiny
 from sglang_ext.core.heads import Eagle3Head, head_config_for
-from training import data as D
-from training.features import FeatureExtractor
-from training.trainer import draft_vocabulary, init_head_from_target
+from sglang_ext.training import data as D
+from sglang_ext.training.features import FeatureExtractor
+from sglang_ext.training.trainer import draft_vocabulary, init_head_from_target
 
 
 DEEPSEEK = ("<｜begin▁of▁sentence｜>{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"

@@ -1,0 +1,56 @@
+"""The package's commands, one table: `python -m sglang_ext COMMAND ...` dispatches through it, and each command is
+also a console script (pyproject.toml's [project.scripts] lists the same entries literally; tests/tools/test_commands.py
+checks that the two agree). Each module's `main(argv: list[str] | None) -> int` takes the arguments after the command
+name and returns the exit status; its parser has `--help` and `--version`.
+
+Importing this module is cheap: the commands' modules (torch, SGLang) are imported only when one runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import NamedTuple
+
+from sglang_ext import __version__
+
+VERSION = f"sglang-eagle3-mla {__version__}"  # what every command's --version prints
+
+
+class Command(NamedTuple):
+    module: str  # its `main(argv) -> int`
+    description: str
+    script: str  # the console script
+
+
+COMMANDS: dict[str, Command] = {
+    "inspect-draft": Command("sglang_ext.inspect_draft", "check an Eagle3 head against its target before serving",
+                             "eagle3-inspect"),
+    "train": Command("sglang_ext.training.train_draft",
+                     "regenerate data, capture features, train and export an Eagle3 head", "eagle3-train"),
+    "eval-gsm8k": Command("sglang_ext.eval.gsm8k", "GSM8K accuracy and acceptance, with and without speculation",
+                          "eagle3-eval-gsm8k"),
+    "bench": Command("sglang_ext.eval.bench", "serving benchmark of running servers: chat prompts, a concurrency "
+                     "sweep, TTFT / TPOT / tokens/s / acceptance, with and without speculation", "eagle3-bench"),
+    "spec-bench": Command("sglang_ext.eval.spec_bench",
+                          "GPU: speculation speedup on a Kimi-K2.5-shaped target, plugin vs upstream, servers it starts",
+                          "eagle3-spec-bench"),
+    "remeasure": Command("sglang_ext.training.remeasure", "re-measure an exported head's reported acceptance",
+                         "eagle3-remeasure"),
+}
+
+
+def prog(name: str) -> str:
+    """The program name a command's parser shows (usage, errors): its console script."""
+    return COMMANDS[name].script
+
+
+def scripts() -> dict[str, str]:
+    """[project.scripts] as the table implies it: console script -> "module:main"."""
+    return {c.script: f"{c.module}:main" for c in COMMANDS.values()}
+
+
+def run(name: str, argv: list[str] | None = None) -> int:
+    """Run command `name` with `argv` (default: sys.argv[1:]); its exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return importlib.import_module(COMMANDS[name].module).main(argv)
