@@ -42,13 +42,13 @@ train-draft:  ## regenerate + capture + train + export an Eagle3 head (CPU defau
 	  $(call given,WORK,--work $(WORK)) $(foreach d,$(DATA),--data $(d)) $(if $(CONFIG),--config $(CONFIG)) $(TRAIN_ARGS)
 
 eval-gsm8k:  ## GSM8K accuracy + acceptance, spec vs no spec (reference decoder; BASE_URL=... for a server)
-	$(PY) -m sglang_ext.eval.gsm8k --compare --limit $(LIMIT) --out $(EVAL_OUT) \
-	  $(if $(BASE_URL),--base-url $(BASE_URL) --compare-base-url $(NOSPEC_URL),--target $(TARGET) --draft $(DRAFT)) \
+	$(PY) -m sglang_ext.eval.gsm8k --compare --num-prompts $(LIMIT) --out $(EVAL_OUT) \
+	  $(if $(BASE_URL),--base-url $(BASE_URL) --nospec-base-url $(NOSPEC_URL),--target $(TARGET) --draft $(DRAFT)) \
 	  $(EVAL_ARGS)
 
 scale-target:  ## a DeepseekV3 (MLA) imitation of SmolLM2-135M-Instruct, distilled offline (GPU: minutes): OUT=out/scale-target
 	$(PY) -m sglang_ext.training.scale_target --out $(or $(OUT),out/scale-target) $(SCALE_ARGS)
 
 bench:  ## serving benchmark, spec vs no spec: make bench BASE_URL=... NOSPEC_URL=... TOKENIZER=...
-	$(PY) -m sglang_ext.eval.bench --base-url $(BASE_URL) $(if $(NOSPEC_URL),--nospec-url $(NOSPEC_URL)) \
+	$(PY) -m sglang_ext.eval.bench --base-url $(BASE_URL) $(if $(NOSPEC_URL),--nospec-base-url $(NOSPEC_URL)) \
 	  --tokenizer $(or $(TOKENIZER),$(TARGET)) --out out/bench $(BENCH_ARGS)

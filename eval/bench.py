@@ -24,6 +24,8 @@ from tqdm import tqdm
 
 from sglang_ext.commands import VERSION, prog
 from sglang_ext.eval.gsm8k import load_gsm8k, spec_from_meta
+from sglang_ext.http_client import add_api_key_argument, get_json, headers, redacted
+from sglang_ext.plotting import pyplot
 
 
 def sse_events(lines):
@@ -39,21 +41,21 @@ def sse_events(lines):
         yield json.loads(body)
 
 
-def one_request(url: str, text: str, max_new_tokens: int, timeout: float = 600) -> dict:
+def one_request(url: str, text: str, max_new_tokens: int, timeout: float = 600, api_key: str | None = None) -> dict:
     """One streamed request's timings and counters; a request that fails is recorded with its error, not raised
     (one bad request does not end a sweep)."""
     try:
-        return _one_request(url, text, max_new_tokens, timeout)
+        return _one_request(url, text, max_new_tokens, timeout, api_key)
     except Exception as e:  # HTTP errors, a dropped connection, a timeout
         detail = e.read().decode(errors="replace")[:300] if hasattr(e, "read") else ""
         return {"error": f"{type(e).__name__}: {e} {detail}".strip()}
 
 
-def _one_request(url: str, text: str, max_new_tokens: int, timeout: float) -> dict:
+def _one_request(url: str, text: str, max_new_tokens: int, timeout: float, api_key: str | None) -> dict:
     payload = {"text": text, "stream": True, "sampling_params": {"max_new_tokens": max_new_tokens,
                                                                  "temperature": 0, "ignore_eos": True}}
     req = urllib.request.Request(url.rstrip("/") + "/generate", data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers=headers(api_key))
     t0 = time.perf_counter()
     first, last_meta, arrivals = None, {}, []
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -118,10 +120,11 @@ def load_prompts(source: str, n: int, tokenizer, raw: bool, seed: int) -> list[s
     return [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
 
 
-def run_arm(url: str, prompts: list[str], concurrency: int, lengths: list[int]) -> dict:
+def run_arm(url: str, prompts: list[str], concurrency: int, lengths: list[int], api_key: str | None = None) -> dict:
     t = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        results = list(tqdm(pool.map(lambda pl: one_request(url, *pl), zip(prompts, lengths)), total=len(prompts),
+        results = list(tqdm(pool.map(lambda pl: one_request(url, *pl, api_key=api_key), zip(prompts, lengths)),
+                            total=len(prompts),
                             desc=f"{url} c={concurrency}", unit="req"))
     return summarize(results, time.perf_counter() - t)
 
@@ -131,12 +134,13 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=VERSION)
     ap.add_argument("--base-url", required=True, help="server with speculation")
-    ap.add_argument("--nospec-url", help="server without speculation (same target)")
+    ap.add_argument("--nospec-base-url", help="server without speculation (same target)")
     ap.add_argument("--tokenizer", required=True, help="the target's tokenizer (chat template)")
-    ap.add_argument("--source", choices=["sharegpt", "gsm8k"], default="sharegpt")
+    add_api_key_argument(ap)
+    ap.add_argument("--dataset-name", choices=["sharegpt", "gsm8k"], default="sharegpt")
     ap.add_argument("--raw-prompts", action="store_true", help="skip the chat template (flagged in the report)")
     ap.add_argument("--concurrency", default="1,4,16,64")
-    ap.add_argument("--requests-per-level", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--sample-output-len", action="store_true", help="uniform in [output_len/2, output_len]")
     ap.add_argument("--seed", type=int, default=0)
@@ -148,14 +152,13 @@ def main(argv=None) -> int:
         ap.error(f"--concurrency {args.concurrency}: comma-separated integers, e.g. 1,4,16,64")
     if not levels or min(levels) < 1:
         ap.error(f"--concurrency {args.concurrency}: every level at least 1")
-    for name in ("requests_per_level", "output_len"):
+    for name in ("num_prompts", "output_len"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
-    from sglang_ext.http_client import get_json
 
-    for url in filter(None, (args.base_url, args.nospec_url)):  # before any prompt is prepared
+    for url in filter(None, (args.base_url, args.nospec_base_url)):  # before any prompt is prepared
         try:
-            get_json(url.rstrip("/") + "/get_model_info", timeout=10)
+            get_json(url.rstrip("/") + "/get_model_info", timeout=10, api_key=args.api_key)
         except Exception as e:
             print(f"error: cannot reach the server at {url} ({e}); start it first, or fix the URL", file=sys.stderr)
             return 2
@@ -163,25 +166,26 @@ def main(argv=None) -> int:
 
     tok = load_tokenizer(args.tokenizer)
     rng = random.Random(args.seed)
-    report = {"config": vars(args), "chat_template": not args.raw_prompts, "levels": {}}
+    report = {"config": redacted(vars(args)), "chat_template": not args.raw_prompts, "levels": {}}
     if args.raw_prompts:
         report["warning"] = "raw prompts (no chat template): acceptance is not what chat users would see"
         print("WARNING: " + report["warning"], file=sys.stderr)
-    counts = [max(args.requests_per_level, c) for c in levels]
-    pool = load_prompts(args.source, sum(counts), tok, args.raw_prompts, args.seed)
+    counts = [max(args.num_prompts, c) for c in levels]
+    pool = load_prompts(args.dataset_name, sum(counts), tok, args.raw_prompts, args.seed)
     if len(pool) < sum(counts):
-        print(f"error: --source {args.source} gave {len(pool)} prompts; the sweep needs {sum(counts)} distinct ones "
+        print(f"error: --dataset-name {args.dataset_name} gave {len(pool)} prompts; the sweep needs {sum(counts)} "
+              "distinct ones "
               f"(each level its own, so none is served from the cache the last one warmed): lower "
-              "--requests-per-level or the levels", file=sys.stderr)
+              "--num-prompts or the levels", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
     for c, n, start in zip(levels, counts, [sum(counts[:i]) for i in range(len(counts))]):
         prompts = pool[start: start + n]
         lengths = [rng.randint(max(1, args.output_len // 2), args.output_len) if args.sample_output_len
                    else args.output_len for _ in prompts]
-        level = {"spec": run_arm(args.base_url, prompts, c, lengths)}
-        if args.nospec_url:
-            level["no-spec"] = run_arm(args.nospec_url, prompts, c, lengths)
+        level = {"spec": run_arm(args.base_url, prompts, c, lengths, args.api_key)}
+        if args.nospec_base_url:
+            level["no-spec"] = run_arm(args.nospec_base_url, prompts, c, lengths, args.api_key)
             level["speedup"] = (level["spec"]["output_tokens_per_s"] / level["no-spec"]["output_tokens_per_s"]
                                 if level["no-spec"]["output_tokens_per_s"] else None)
         report["levels"][c] = level
@@ -205,11 +209,9 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write("# Serving benchmark\n\n" + (f"**{report['warning']}**\n\n" if "warning" in report else "")
                 + "\n".join(rows) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("eval", os.path.join(args.out, "throughput.png"))
+    if plt is None:
+        return 0
     fig, ax = plt.subplots(figsize=(6, 4))
     for arm in ("spec", "no-spec"):
         xs = [c for c in report["levels"] if arm in report["levels"][c]]

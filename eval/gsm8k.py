@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import decimal
+import json
 import math
 import os
 import re
@@ -26,9 +26,9 @@ from tqdm import tqdm
 
 from sglang_ext.commands import VERSION, prog
 from sglang_ext.core.accounting import AcceptanceStats, accepted_drafts_per_step_se
-from sglang_ext.http_client import ServerRefused, get_json, post_json
-from sglang_ext.eval.report import write_reports
 from sglang_ext.data import HUB_GSM8K, gsm8k as packaged_gsm8k
+from sglang_ext.eval.report import write_reports
+from sglang_ext.http_client import ServerRefused, add_api_key_argument, get_json, post_json, redacted
 
 # a number starts with a digit that does not continue one ("1.2.3" is not "1.2" then ".3"); commas only as thousands
 # separators ("1,000", not the list "1,2,3")
@@ -94,7 +94,7 @@ def load_gsm8k(path: str | None, split: str, limit: int | None) -> tuple[list[di
                     break
         return rows, bad
     if path != HUB_GSM8K:
-        raise FileNotFoundError(f"--data-path {path} does not exist")
+        raise FileNotFoundError(f"--dataset-path {path} does not exist")
     import datasets
 
     ds = datasets.load_dataset("openai/gsm8k", "main", split=split)
@@ -121,12 +121,13 @@ def render_prompt(tokenizer, messages) -> str:
 class ServerBackend:
     """SGLang `/generate` with a chat-rendered prompt; meta_info carries the speculative counters."""
 
-    def __init__(self, base_url: str, tokenizer, concurrency: int = 64, retries: int = 3, timeout: float = 600):
+    def __init__(self, base_url: str, tokenizer, concurrency: int = 64, retries: int = 3, timeout: float = 600,
+                 api_key: str | None = None):
         self.url, self.tok = base_url.rstrip("/"), tokenizer
-        self.concurrency, self.retries, self.timeout = concurrency, retries, timeout
+        self.concurrency, self.retries, self.timeout, self.api_key = concurrency, retries, timeout, api_key
 
     def _post(self, payload: dict) -> dict:
-        return post_json(self.url + "/generate", payload, self.retries, self.timeout)
+        return post_json(self.url + "/generate", payload, self.retries, self.timeout, self.api_key)
 
     def run(self, prompts: list[str], max_new_tokens: int, temperature: float, desc: str) -> list[dict]:
         sp = {"max_new_tokens": max_new_tokens, "temperature": temperature}
@@ -288,34 +289,36 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=VERSION)
     ap.add_argument("--base-url", help="SGLang server (default: the in-process reference decoder)")
-    ap.add_argument("--compare-base-url", help="with --compare: the server without speculation")
+    ap.add_argument("--nospec-base-url", help="with --compare: the server without speculation")
     ap.add_argument("--compare", action="store_true", help="also run without speculation and compare")
+    add_api_key_argument(ap)
     ap.add_argument("--tokenizer", help="tokenizer for the chat template (default: the target)")
     ap.add_argument("--target", default="smollm2", help="reference backend target")
     ap.add_argument("--draft", default="out/draft", help="reference backend Eagle3 head directory")
-    ap.add_argument("--num-steps", type=int, default=3)
-    ap.add_argument("--topk", type=int, default=1)
-    ap.add_argument("--num-draft-tokens", type=int)
-    ap.add_argument("--data-path", help=f"GSM8K test JSONL (default: the packaged copy; {HUB_GSM8K}: through datasets)")
+    ap.add_argument("--speculative-num-steps", type=int, default=3)
+    ap.add_argument("--speculative-eagle-topk", type=int, default=1)
+    ap.add_argument("--speculative-num-draft-tokens", type=int)
+    ap.add_argument("--dataset-path",
+                    help=f"GSM8K test JSONL (default: the packaged copy; {HUB_GSM8K}: through datasets)")
     ap.add_argument("--fewshot-path", help="JSONL the exemplars come from (default: the train split)")
     ap.add_argument("--num-shots", type=int, default=5)
-    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="out/eval-gsm8k")
     args = ap.parse_args(argv)
-    for name in ("limit", "num_steps", "topk", "max_new_tokens", "concurrency"):
+    for name in ("num_prompts", "speculative_num_steps", "speculative_eagle_topk", "max_new_tokens", "concurrency"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
     if args.num_shots < 0:
         ap.error(f"--num-shots {args.num_shots}: 0 or more")
     if args.temperature < 0:
         ap.error(f"--temperature {args.temperature}: 0 (greedy) or more")
-    if args.compare and args.base_url and not args.compare_base_url:
-        ap.error("--compare with --base-url needs --compare-base-url (the server without speculation)")
-    for name in ("data_path", "fewshot_path"):
+    if args.compare and args.base_url and not args.nospec_base_url:
+        ap.error("--compare with --base-url needs --nospec-base-url (the server without speculation)")
+    for name in ("dataset_path", "fewshot_path"):
         path = getattr(args, name)
         if path and path != HUB_GSM8K and not os.path.exists(path):
             ap.error(f"--{name.replace('_', '-')} {path}: no such file (a GSM8K JSONL; leave it out for the default)")
@@ -336,22 +339,24 @@ def main(argv=None) -> int:
 def run(args) -> int:
     from sglang_ext.core.targets import load_tokenizer
 
-    rows, bad = load_gsm8k(args.data_path, "test", args.limit)
+    rows, bad = load_gsm8k(args.dataset_path, "test", args.num_prompts)
     shots, _ = load_gsm8k(args.fewshot_path, "train", args.num_shots) if args.num_shots else ([], 0)
     tok_name = args.tokenizer or (None if args.base_url else args.target)
     if tok_name is None:
-        tok_name = server_model_path(args.base_url)
+        tok_name = server_model_path(args.base_url, args.api_key)
     tok = load_tokenizer(tok_name)
     prompts = [render_prompt(tok, fewshot_messages(shots, r["question"])) for r in rows]
     arms = []
     # SGLang's per-request histogram stops at the largest count seen: take the depth from the server
-    depth = server_spec_depth(args.base_url) if args.base_url else args.num_steps
+    depth = server_spec_depth(args.base_url, args.api_key) if args.base_url else args.speculative_num_steps
     if args.base_url:
         # a lone server without speculation is the no-spec arm (with --compare the first URL is meant to
         # speculate, and the report says so if it does not)
-        arms.append(("spec" if depth or args.compare else "no-spec", ServerBackend(args.base_url, tok, args.concurrency)))
+        arms.append(("spec" if depth or args.compare else "no-spec", ServerBackend(args.base_url, tok, args.concurrency,
+                                                                                  api_key=args.api_key)))
         if args.compare:
-            arms.append(("no-spec", ServerBackend(args.compare_base_url, tok, args.concurrency)))
+            arms.append(("no-spec", ServerBackend(args.nospec_base_url, tok, args.concurrency,
+                                                     api_key=args.api_key)))
     else:
         from sglang_ext.core.decoder import ReferenceDecoder
         from sglang_ext.core.heads import Eagle3Head
@@ -359,11 +364,12 @@ def run(args) -> int:
 
         target = load_target(args.target, device=args.device)
         head = Eagle3Head.from_pretrained(args.draft, target.get_input_embeddings().weight).to(args.device)
-        dec = ReferenceDecoder(target, head, args.num_steps, args.topk, args.num_draft_tokens)
+        dec = ReferenceDecoder(target, head, args.speculative_num_steps, args.speculative_eagle_topk,
+                               args.speculative_num_draft_tokens)
         arms.append(("spec", ReferenceBackend(dec, tok, True)))
         if args.compare:
             arms.append(("no-spec", ReferenceBackend(dec, tok, False)))
-    report = {"config": {k: v for k, v in vars(args).items()}, "questions": len(rows), "malformed_lines": bad,
+    report = {"config": redacted(vars(args)), "questions": len(rows), "malformed_lines": bad,
               "num_shots": len(shots), "chat_template": True, "arms": {}}
     report["speculative_num_steps"] = depth
     flags = {}
@@ -388,17 +394,17 @@ def run(args) -> int:
     return 0
 
 
-def server_model_path(base_url: str) -> str:
+def server_model_path(base_url: str, api_key: str | None = None) -> str:
     try:
-        return get_json(base_url.rstrip("/") + "/get_model_info")["model_path"]
+        return get_json(base_url.rstrip("/") + "/get_model_info", api_key=api_key)["model_path"]
     except Exception as e:
         raise ConnectionError(f"cannot ask {base_url} for its model ({e}); pass --tokenizer") from None
 
 
-def server_spec_depth(base_url: str) -> int | None:
+def server_spec_depth(base_url: str, api_key: str | None = None) -> int | None:
     """speculative_num_steps of a running SGLang server (None without speculation or if unknown)."""
     try:
-        info = get_json(base_url.rstrip("/") + "/get_server_info")
+        info = get_json(base_url.rstrip("/") + "/get_server_info", api_key=api_key)
     except Exception:
         return None
     steps = info.get("speculative_num_steps") or (info.get("server_args") or {}).get("speculative_num_steps")

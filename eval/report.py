@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+from sglang_ext.plotting import pyplot
+
 
 def _md(report: dict) -> str:
     lines = ["# GSM8K evaluation", "",
@@ -35,10 +37,9 @@ def _md(report: dict) -> str:
 
 
 def _plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("eval", path)
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     spec = (report["arms"].get("spec") or {}).get("acceptance") or {}

@@ -38,6 +38,7 @@ import sys
 import time
 
 from sglang_ext.commands import VERSION, prog
+from sglang_ext.plotting import pyplot
 
 WORK = os.environ.get("SPEC_BENCH_WORK", "/tmp/specbench")
 KIMI = dict(hidden_size=7168, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
@@ -717,10 +718,9 @@ def report(out_md: str) -> dict:
 
 
 def _plot(state: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("eval", path)
+    if plt is None:
+        return
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for arm, row in state.get("arms", {}).items():

@@ -33,7 +33,8 @@ COMMANDS: dict[str, Command] = {
     "bench": Command("sglang_ext.eval.bench", "serving benchmark of running servers: chat prompts, a concurrency "
                      "sweep, TTFT / TPOT / tokens/s / acceptance, with and without speculation", "eagle3-bench"),
     "spec-bench": Command("sglang_ext.eval.spec_bench",
-                          "GPU: speculation speedup on a Kimi-K2.5-shaped target, plugin vs upstream, servers it starts",
+                          "GPU: speculation speedup on a Kimi-K2.5-shaped target, plugin vs upstream (servers it "
+                          "starts)",
                           "eagle3-spec-bench"),
     "remeasure": Command("sglang_ext.training.remeasure", "re-measure an exported head's reported acceptance",
                          "eagle3-remeasure"),

@@ -162,14 +162,15 @@ class ServerFeatureExtractor:
 
     def __init__(self, base_url: str, tokenizer, feature_dir: str, max_tokens: int = 2048, reasoning: str = "drop",
                  dtype=torch.bfloat16, concurrency: int = 16, retries: int = 3, timeout: float = 600,
-                 aux_width: int | None = None, aux_output_ids: list[int] | None = None):
+                 aux_width: int | None = None, aux_output_ids: list[int] | None = None, api_key: str | None = None):
         from sglang_ext.http_client import post_json
 
         self.url = base_url.rstrip("/") + "/generate"
         self.tok, self.feature_dir = tokenizer, feature_dir
         self.last_turn_only = 0
         self.max_tokens, self.reasoning, self.dtype = max_tokens, reasoning, dtype
-        self.concurrency, self._post = concurrency, lambda payload: post_json(self.url, payload, retries, timeout)
+        self.concurrency, self._post = concurrency, lambda payload: post_json(self.url, payload, retries, timeout,
+                                                                                 api_key)
         self.aux_width = aux_width  # layers x hidden the trainer expects
         self.aux_output_ids = aux_output_ids  # the layers it expects: checked against the server's recorded plan
         self._plan_checked = False

@@ -146,8 +146,9 @@ class LocalRegenerator:
 
 class ServerRegenerator:
     def __init__(self, base_url: str, model: str = "default", options: GenerationOptions | None = None,
-                 concurrency: int = 32, retries: int = 3, timeout: float = 600):
+                 concurrency: int = 32, retries: int = 3, timeout: float = 600, api_key: str | None = None):
         self.url = base_url.rstrip("/") + "/v1/chat/completions"
+        self.api_key = api_key
         self.model, self.opt = model, options or GenerationOptions()
         self.concurrency, self.retries, self.timeout = concurrency, retries, timeout
 
@@ -157,7 +158,7 @@ class ServerRegenerator:
         history = [{"role": m["role"], "content": m["content"]} for m in messages]
         r = post_json(self.url, {"model": self.model, "messages": history, "max_tokens": self.opt.max_new_tokens,
                                  "temperature": self.opt.temperature, "top_p": self.opt.top_p},
-                      self.retries, self.timeout)
+                      self.retries, self.timeout, self.api_key)
         msg = r["choices"][0]["message"]
         turn = {"role": "assistant", "content": msg.get("content") or ""}
         if msg.get("reasoning_content"):

@@ -2,7 +2,7 @@
 from the trainer's memory), run the core's reference decoder on the same prompts as its training_report.json, and
 pair the two per prompt.
 
-    eagle3-remeasure --draft out/draft --target TARGET [--device cpu] [--dtype fp32] [--prompts N]
+    eagle3-remeasure --draft out/draft --target TARGET [--device cpu] [--dtype fp32] [--num-prompts N]
 
 The report's figure is one measurement (another precision, device or batch parts greedy outputs, and a parted prompt
 accepts differently from there on), so "the same" means within the paired noise: |difference| <= 2 paired standard
@@ -33,15 +33,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--version", action="version", version=VERSION)
     ap.add_argument("--draft", required=True, help="an exported head directory holding training_report.json")
     ap.add_argument("--target", required=True, help="the target it was trained on (directory, hub name or GGUF)")
-    ap.add_argument("--eval-data", help="the report's GSM8K source, where its recorded path is not readable here "
+    ap.add_argument("--dataset-path", help="the report's GSM8K source, where its recorded path is not readable here "
                                         "(e.g. a report written on another machine)")
-    ap.add_argument("--prompts", type=int, help="only the report's first N prompts (default: all)")
+    ap.add_argument("--num-prompts", type=int, help="only the report's first N prompts (default: all)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--out", help="write the comparison, with both sides' per-prompt counts, to this JSON file")
     args = ap.parse_args(argv)
-    if args.prompts is not None and args.prompts < 1:
-        ap.error(f"--prompts {args.prompts}: a number of prompts >= 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        ap.error(f"--num-prompts {args.num_prompts}: a number of prompts >= 1")
     return args
 
 
@@ -71,10 +71,10 @@ def eval_source(acc: dict, override: str | None) -> str:
     looks_local = src.startswith((os.sep, ".", "~")) or src.endswith((".json", ".jsonl", ".gz"))  # else a hub name
     if looks_local and not os.path.exists(src):
         if override:
-            raise RemeasureError(f"--eval-data {src!r}: no such file; give the report's GSM8K file "
+            raise RemeasureError(f"--dataset-path {src!r}: no such file; give the report's GSM8K file "
                                  f"(its acceptance.eval_data was {acc['eval_data']!r})")
         raise RemeasureError(f"acceptance.eval_data {src!r} is not readable here; pass the same file with "
-                             "--eval-data (e.g. the packaged GSM8K test split, sglang_ext/data/gsm8k/test.jsonl)")
+                             "--dataset-path (e.g. the packaged GSM8K test split, sglang_ext/data/gsm8k/test.jsonl)")
     return src
 
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         acc = reference_of(args.draft)
-        src = eval_source(acc, args.eval_data)
+        src = eval_source(acc, args.dataset_path)
     except RemeasureError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
@@ -104,18 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(args.target)
     target = load_target(args.target, dtype=dtype, device=args.device)
     head = Eagle3Head.from_pretrained(args.draft, target.get_input_embeddings().weight, dtype=dtype).to(args.device)
-    n = min(args.prompts or acc["prompts"], acc["prompts"])
+    n = min(args.num_prompts or acc["prompts"], acc["prompts"])
     prompts = gsm8k_prompts(tok, src, acc["prompts"])[:n]
     ref = acc["trained"]["per_prompt"][:n]
     if len(prompts) != len(ref):
         print(f"{PROG}: error: {src} gives {len(prompts)} prompts, the report has {len(ref)}: "
-              "not the report's source; pass it with --eval-data", file=sys.stderr)
+              "not the report's source; pass it with --dataset-path", file=sys.stderr)
         return 2
     unlike = prompts_unlike_report(prompts, ref)
     if unlike:  # same count, other prompts (another file, template or tokenizer): a pairing would mean nothing
         print(f"{PROG}: error: prompt {unlike[0]} ({len(unlike)} of {n} in all) from {src} with "
               f"{args.target}'s tokenizer and chat template is not the report's (acceptance.trained.per_prompt"
-              f"[{unlike[0]}].prompt_sha256); pass the report's GSM8K file with --eval-data and the target the head "
+              f"[{unlike[0]}].prompt_sha256); pass the report's GSM8K file with --dataset-path and the target the head "
               "was trained on with --target", file=sys.stderr)
         return 2
     t = time.time()

@@ -22,6 +22,7 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 from sglang_ext.commands import VERSION, prog
 from sglang_ext.config import AuxLayerPlan, TargetConfig, resolve
@@ -31,11 +32,24 @@ from sglang_ext.core.capture import text_config_of
 from sglang_ext.core.decoder import ReferenceDecoder
 from sglang_ext.core.heads import Eagle3Head, head_config_for
 from sglang_ext.core.targets import load_target, load_target_weights, load_tokenizer
+from sglang_ext.http_client import add_api_key_argument, redacted
+from sglang_ext.plotting import pyplot
 from sglang_ext.training import data as data_mod
-from sglang_ext.training.chat import (ChatTemplateError, apply_template, prompt_ids, prompt_opens_think,
-                                      require_chat_template)
-from sglang_ext.training.features import (FeatureExtractor, ServerFeatureExtractor, online, read_shards, records_of,
-                                          write_shards)
+from sglang_ext.training.chat import (
+    ChatTemplateError,
+    apply_template,
+    prompt_ids,
+    prompt_opens_think,
+    require_chat_template,
+)
+from sglang_ext.training.features import (
+    FeatureExtractor,
+    ServerFeatureExtractor,
+    online,
+    read_shards,
+    records_of,
+    write_shards,
+)
 from sglang_ext.training.regenerate import GenerationOptions, LocalRegenerator, ServerRegenerator
 from sglang_ext.training.trainer import (
     TrainConfig,
@@ -106,6 +120,71 @@ def apply_yaml_defaults(ap: argparse.ArgumentParser, path: str) -> dict:
     return repeatable
 
 
+# What a run gets for an option it does not give, per device: the CPU demo (`make train-draft`: SmolLM2-135M-Instruct,
+# ~20 minutes on 2 cores) and a GPU run for a real target. The start of a run prints the values in effect and where
+# each came from; training_report.json keeps them ("options", "option_sources").
+DEVICE_DEFAULTS = {
+    "cpu": {
+        "lr": 5e-3,  # a 20-minute run of a 576-wide head: high, with warm-up and cosine decay
+        "epochs": 8,  # what the 20-minute budget fits on 2 cores
+        "grad_accum": 4,
+        "batch_tokens": 0,  # one conversation per forward: batching does not pay on 2 cores
+        "ttt_steps": 3,  # the chain depth its estimate uses: unrolling further costs a quarter more per step
+        "draft_vocab_size": 4096,
+        "checkpoint_every": 200,
+        "time_budget_minutes": 19.5,  # so the whole run ends within 20 minutes on a slower machine too
+    },
+    "cuda": {
+        # the MLA scale target's heads (576 wide) passed 1.8 accepted drafts/step at 2e-3, 6 epochs, TTT 7, one
+        # forward per step (docs/results.md, "The trainer"); wider heads (DeepSeek-V3 / Kimi-K2: 7168) take
+        # SpecForge's 1e-4
+        "lr": (2e-3, 1e-4),  # (head width <= LR_WIDE_HIDDEN, wider)
+        "epochs": 6,
+        "grad_accum": 1,
+        "batch_tokens": 16384,  # a step costs the host about the same at any size
+        "ttt_steps": 7,
+        "draft_vocab_size": 32000,
+        "checkpoint_every": 1000,
+        "time_budget_minutes": None,
+    },
+}
+LR_WIDE_HIDDEN = 2048
+
+
+def resolve_device_defaults(args) -> None:
+    """Fill the options not given from DEVICE_DEFAULTS for `args.device`; `args.option_sources` says where each of
+    them came from. The GPU learning rate depends on the head's width, known once the target's config is read
+    (`resolve_lr`)."""
+    kind = "cpu" if str(args.device).startswith("cpu") else "cuda"
+    sources = getattr(args, "option_sources", None) or {}
+    for name, value in DEVICE_DEFAULTS[kind].items():
+        if name == "lr" and isinstance(value, tuple):
+            continue
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+            sources[name] = f"{kind} default"
+        else:
+            sources.setdefault(name, "given")
+    if args.lr is not None:
+        sources.setdefault("lr", "given")
+    args.option_sources = sources
+
+
+def resolve_lr(args, hidden_size: int) -> None:
+    """The GPU default learning rate for a head `hidden_size` wide (DEVICE_DEFAULTS)."""
+    if args.lr is None:
+        narrow, wide = DEVICE_DEFAULTS["cuda"]["lr"]
+        args.lr = narrow if hidden_size <= LR_WIDE_HIDDEN else wide
+        args.option_sources["lr"] = f"cuda default (head {hidden_size} wide)"
+
+
+def resolved_options_line(args) -> str:
+    keys = ["lr", "epochs", "grad_accum", "batch_tokens", "ttt_steps", "draft_vocab_size", "checkpoint_every",
+            "time_budget_minutes"]
+    return "options: " + ", ".join(f"{k.replace('_', '-')} {getattr(args, k)} ({args.option_sources.get(k, 'given')})"
+                                   for k in keys)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=VERSION)
@@ -150,29 +229,29 @@ def parse_args(argv=None):
                     help="capture features through an SGLang feature server of the target (started with the plugin, "
                          "SGLANG_EXT_FEATURE_DIR and --disable-radix-cache; docs/design.md); default in-process")
     ap.add_argument("--features-dir", help="the server's SGLANG_EXT_FEATURE_DIR, as this process sees it")
+    add_api_key_argument(ap)
     ap.add_argument("--target-weights-only", action="store_true",
                     help="read only the embedding, lm_head, final norm and the init layer from the target's "
                          "safetensors (a target too large to load whole: Kimi-K2.5, DeepSeek-V3); needs "
                          "--regen-server and --features-server; acceptance is then measured by serving the head")
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--draft-vocab-size", type=int, default=None,
-                    help="draft vocabulary (most frequent assistant tokens); default 32000, 4096 on the CPU")
+                    help="draft vocabulary (most frequent assistant tokens); default per device (DEVICE_DEFAULTS)")
     ap.add_argument("--aux-layers", help="output ids, e.g. 1,14,26 (default: [1, N//2-1, N-4])")
     ap.add_argument("--ttt-steps", type=int, default=None,
-                    help="training-time-test unroll; default 7, 3 on the CPU (the chain depth its estimate uses)")
-    ap.add_argument("--epochs", type=int, default=8,
-                    help="passes over the training data (8: the CPU default's 20-minute budget since the fused TTT "
-                         "attention made a CPU epoch ~18%% faster)")
+                    help="training-time-test unroll; default per device (DEVICE_DEFAULTS)")
+    ap.add_argument("--epochs", type=int, default=None,
+                    help="passes over the training data; default per device (DEVICE_DEFAULTS)")
     ap.add_argument("--max-steps", type=int)
-    ap.add_argument("--lr", type=float, default=5e-3, help="peak learning rate (the CPU default's; "
-                    "a long GPU run wants ~1e-4 to 5e-4)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="peak learning rate; default per device and head width (DEVICE_DEFAULTS)")
     ap.add_argument("--weight-decay", type=float, default=0.0,
                     help="AdamW's decoupled weight decay on the head's matrices (not its norms); 0: none")
-    ap.add_argument("--grad-accum", type=int, default=4)
+    ap.add_argument("--grad-accum", type=int, default=None,
+                    help="forwards per optimizer step; default per device (DEVICE_DEFAULTS)")
     ap.add_argument("--batch-tokens", type=int, default=None,
                     help="batch conversations (right-padded, similar lengths) into forwards of up to this many "
-                         "tokens (default: 16384 on CUDA: a step costs the host about the same at any size, "
-                         "0 = one conversation per forward on the CPU)")
+                         "tokens; 0: one conversation per forward; default per device (DEVICE_DEFAULTS)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile this many optimizer steps after 2 warm-up steps and print the top operators")
     ap.add_argument("--max-train-minutes", type=float, default=None,
@@ -190,14 +269,15 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                     help="head compute on CUDA: bf16 autocast (default) or fp32; the CPU always trains in fp32")
-    ap.add_argument("--eval-data", help="held-out GSM8K JSONL for the acceptance estimate (default: test split)")
-    ap.add_argument("--eval-prompts", type=int, default=16)
-    ap.add_argument("--eval-steps", type=int, default=3, help="chain depth of the acceptance estimate")
+    ap.add_argument("--eval-dataset-path",
+                    help="held-out GSM8K JSONL for the acceptance estimate (default: the packaged test split)")
+    ap.add_argument("--eval-num-prompts", type=int, default=16)
+    ap.add_argument("--eval-speculative-num-steps", type=int, default=3, help="chain depth of the acceptance estimate")
     ap.add_argument("--eval-max-new-tokens", type=int, default=128)
     ap.add_argument("--compare-untrained", action="store_true", help="also measure an untrained head")
     ap.add_argument("--checkpoint-every", type=int, default=None,
-                    help="optimizer steps between checkpoints of the full training state (default: 1000 on a GPU, "
-                         "200 on the CPU; 0: only at the end); an interrupted run resumes from the last one")
+                    help="optimizer steps between checkpoints of the full training state (0: only at the end); an "
+                         "interrupted run resumes from the last one; default per device (DEVICE_DEFAULTS)")
     config = ap.parse_known_args(argv)[0].config
     # the YAML sets defaults: an option given on the command line wins (the Makefile's TRAIN_ARGS)
     repeatable = apply_yaml_defaults(ap, config) if config else {}
@@ -205,19 +285,9 @@ def parse_args(argv=None):
     for key, value in repeatable.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.checkpoint_every is None:
-        args.checkpoint_every = 200 if args.device == "cpu" else 1000
+    resolve_device_defaults(args)
     if args.checkpoint_every < 0:
         ap.error(f"--checkpoint-every {args.checkpoint_every}: steps >= 0 (0: only at the end)")
-    cpu = args.device == "cpu"
-    if args.time_budget_minutes is None and cpu:
-        args.time_budget_minutes = 19.5
-    if args.ttt_steps is None:  # the CPU default is judged on chain depth 3: unrolling further costs a quarter
-        args.ttt_steps = 3 if cpu else 7  # more per step (0.825 vs 0.781 accepted drafts/step in the same 570 s)
-    if args.batch_tokens is None:
-        args.batch_tokens = 0 if cpu else 16384
-    if args.draft_vocab_size is None:
-        args.draft_vocab_size = 4096 if cpu else 32000
     if isinstance(args.data, str):  # a YAML config's `data: spec`
         args.data = [args.data]
     if not args.data:
@@ -227,8 +297,8 @@ def parse_args(argv=None):
             data_mod.parse_spec(spec)
         except ValueError as e:
             ap.error(f"--data {e}")
-    if args.eval_prompts < 0 or args.eval_max_new_tokens < 1:
-        ap.error(f"--eval-prompts {args.eval_prompts} / --eval-max-new-tokens {args.eval_max_new_tokens}: prompts >= 0 "
+    if args.eval_num_prompts < 0 or args.eval_max_new_tokens < 1:
+        ap.error(f"--eval-num-prompts {args.eval_num_prompts} / --eval-max-new-tokens {args.eval_max_new_tokens}: prompts >= 0 "
                  "(0: no estimate) and at least 1 new token")
     if args.regen_samples < 1:
         ap.error(f"--regen-samples {args.regen_samples}: at least 1 (the one response at --temperature)")
@@ -316,9 +386,12 @@ def acceptance_estimate(target, head, prompts, steps, max_new_tokens, eos) -> di
         return None  # the reference decoder needs the whole target: serve the head and measure there
     dec = ReferenceDecoder(target, head, num_steps=steps, topk=1)
     stats, per_prompt = None, []
-    for p in prompts:
+    bar = tqdm(prompts, desc="acceptance estimate", unit="prompt", disable=not prompts)
+    for p in bar:
         g = dec.generate(p, max_new_tokens, eos_token_ids=eos)
         stats = g.stats if stats is None else stats.merge(g.stats)
+        if stats.verify_steps:
+            bar.set_postfix(accepted_drafts_per_step=f"{stats.accepted_drafts / stats.verify_steps:.3f}")
         per_prompt.append({"verify_steps": g.stats.verify_steps, "accepted_drafts": g.stats.accepted_drafts,
                            "finish_reason": g.finish_reason, "output_ids": g.tokens,
                            "prompt_sha256": prompt_digest(p)})
@@ -331,6 +404,33 @@ def acceptance_estimate(target, head, prompts, steps, max_new_tokens, eos) -> di
     out["standard_error"] = None if math.isnan(se) else se  # one prompt: none (JSON has no NaN)
     out["per_prompt"] = per_prompt
     return out
+
+
+def options_of(args) -> dict:
+    """The run's options as resolved (JSON values only), for the report."""
+    return {k: v for k, v in sorted(redacted(vars(args)).items())
+            if k != "option_sources" and (v is None or isinstance(v, (bool, int, float, str, list)))}
+
+
+def write_training_curve(history: list[dict], path: str) -> str | None:
+    """A PNG of the loss and the per-position accuracy over the optimizer steps; None when written, else why not."""
+    if not history:
+        return "none (no training steps in this run)"
+    plt = pyplot("train", path)
+    if plt is None:
+        return "none (matplotlib is not installed: pip install 'sglang-eagle3-mla[train]')"
+    steps = [h["step"] for h in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax_loss.plot(steps, [h["loss"] for h in history])
+    ax_loss.set(xlabel="optimizer step", ylabel="TTT loss", title="loss")
+    for k in range(len(history[0]["accuracy_per_step"])):
+        ax_acc.plot(steps, [h["accuracy_per_step"][k] for h in history], label=f"position {k + 1}")
+    ax_acc.set(xlabel="optimizer step", ylabel="top-1 accuracy", title="accuracy per TTT position", ylim=(0, 1))
+    ax_acc.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return None
 
 
 def parse_head_overrides(items: list[str]) -> dict:
@@ -559,7 +659,8 @@ def prepare_features(args, tok, target, aux_ids, device, feat_dir, convs):
     def regenerator(temperature: float, top_p: float):
         opts = GenerationOptions(args.max_new_tokens, temperature, top_p)
         if args.regen_server:
-            return ServerRegenerator(args.regen_server, options=opts, concurrency=args.regen_concurrency)
+            return ServerRegenerator(args.regen_server, options=opts, concurrency=args.regen_concurrency,
+                                     api_key=args.api_key)
         return LocalRegenerator(target, tok, opts, batch_size=args.regen_batch)
 
     t = time.time()
@@ -577,6 +678,7 @@ def prepare_features(args, tok, target, aux_ids, device, feat_dir, convs):
     feature_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.features_server:  # the target's own SGLang server (tensor parallel) computes them
         extractor = ServerFeatureExtractor(args.features_server, tok, args.features_dir, max_tokens=args.max_tokens,
+                                           api_key=args.api_key,
                                            reasoning=args.reasoning, dtype=feature_dtype,
                                            aux_width=len(aux_ids) * text_config_of(target).hidden_size,
                                            aux_output_ids=aux_ids)
@@ -639,6 +741,8 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
                   f"{attention_fit['seconds']:.0f}s): relative error {attention_fit['relative_error_start']:.3f} -> "
                   f"{attention_fit['relative_error_end']:.3f}")
     lm_head = target.get_output_embeddings().weight.detach()
+    resolve_lr(args, cfg.hidden_size)
+    print(f"[train-draft] {resolved_options_line(args)}")
     max_seconds = train_seconds_limit(args, time.time() - t0)
     if args.max_train_minutes is None and max_seconds is not None:
         print(f"[train-draft] training gets at most {max_seconds:.0f}s of the {args.time_budget_minutes:g}-minute "
@@ -651,11 +755,11 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
                        max_seconds=max_seconds, checkpoint_every=args.checkpoint_every,
                        bf16=device.type == "cuda" and args.precision == "bf16")
     untrained = None
-    eval_path = args.eval_data or default_gsm8k("test")
-    prompts = gsm8k_prompts(tok, eval_path, args.eval_prompts)
+    eval_path = args.eval_dataset_path or default_gsm8k("test")
+    prompts = gsm8k_prompts(tok, eval_path, args.eval_num_prompts)
     eos = [tok.eos_token_id]
     if args.compare_untrained:
-        untrained = acceptance_estimate(target, head, prompts, args.eval_steps, args.eval_max_new_tokens, eos)
+        untrained = acceptance_estimate(target, head, prompts, args.eval_speculative_num_steps, args.eval_max_new_tokens, eos)
     t = time.time()
     try:
         metrics = train(head, records, lm_head, tcfg, checkpoint_dir=os.path.join(args.work, "checkpoint"),
@@ -695,12 +799,16 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
     head.save_pretrained(staging)
     tok.save_pretrained(staging)
     held_acc = evaluate(head, records_held, lm_head, args.ttt_steps) if records_held else []
-    est = acceptance_estimate(target, head, prompts, args.eval_steps, args.eval_max_new_tokens, eos)
+    est = acceptance_estimate(target, head, prompts, args.eval_speculative_num_steps, args.eval_max_new_tokens, eos)
+    history = metrics.pop("history", [])
+    curve = write_training_curve(history, os.path.join(staging, "training_curve.png"))
     result = {"target": args.target, "draft_format": args.draft_format, "aux_output_ids": aux_ids,
+              "options": options_of(args), "option_sources": args.option_sources, "history": history,
               "draft_vocab_size": dv, "train_conversations": len(records), "train_tokens": n_tok,
               "train_seconds": train_s, "train_tokens_per_s": tokens_per_s,
               "final_metrics": metrics, "held_out_accuracy_per_step": held_acc, "attention_fit": attention_fit,
-              "acceptance": {"eval_data": eval_path, "prompts": len(prompts), "chain_steps": args.eval_steps,
+              "acceptance": {"eval_data": eval_path, "prompts": len(prompts),
+                             "chain_steps": args.eval_speculative_num_steps,
                              "max_new_tokens": args.eval_max_new_tokens,
                              "trained": est, "untrained": untrained},
               "world_size": world, "wall_seconds": time.time() - t0}
@@ -708,14 +816,15 @@ def train_and_export(args, tok, target, aux_ids, records, records_held, n_tok, d
         json.dump(result, f, indent=1)
     replace_dir(staging, args.out)
     print(f"[train-draft] exported {args.out} ({cfg.architecture}); held-out per-step accuracy "
-          f"{[round(a, 3) for a in held_acc]}")
+          f"{[round(a, 3) for a in held_acc]}; training curve: "
+          + (os.path.join(args.out, "training_curve.png") if curve is None else curve))
     if est is not None and est["accepted_drafts_per_step"] is None:
         line = f"[train-draft] no acceptance estimate: {est['note']} ({len(prompts)} prompts)"
     elif est is None:
         line = ("[train-draft] no acceptance estimate (--target-weights-only: the reference decoder needs the whole "
                 "target); serve the head and run `eagle3-eval-gsm8k --base-url ...` for its acceptance")
     else:
-        line = (f"[train-draft] acceptance on {len(prompts)} held-out GSM8K chat prompts (chain, {args.eval_steps} "
+        line = (f"[train-draft] acceptance on {len(prompts)} held-out GSM8K chat prompts (chain, {args.eval_speculative_num_steps} "
                 f"steps, greedy): accepted drafts per step {est['accepted_drafts_per_step']:.3f} (standard error "
                 f"across prompts {'-' if est['standard_error'] is None else format(est['standard_error'], '.3f')}), "
                 "per position "

@@ -505,7 +505,7 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
     if dist is not None:  # one starting point on every rank
         for p in params:
             dist.broadcast(p.data, src=0)
-    metrics = {}
+    metrics, history = {}, []  # history: one point per optimizer step (record_history)
     t_start, tokens_trained = clock(), 0
     seconds_before_first_step = time.monotonic() - entered
     bar = tqdm(total=total, initial=step, desc="train draft", unit="step", disable=rank != 0,
@@ -598,6 +598,7 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
                    "tokens_trained": tokens_trained, "total_steps": total, "planned_steps": planned,
                    "epochs": round(step / per_epoch, 3)}
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['accuracy_per_step'][0]:.2f}")
+        record_history(history, {k: metrics[k] for k in ("step", "epochs", "loss", "lr", "accuracy_per_step")})
         out_of_time = cfg.max_seconds is not None and clock() - t_start > cfg.max_seconds
         if dist is not None and cfg.max_seconds is not None:  # every rank stops at the same step, or one hangs
             flag = torch.tensor([float(out_of_time)], device=device)
@@ -630,7 +631,28 @@ def train(head: Eagle3Head, records: list[Features], target_lm_head: torch.Tenso
                         "epochs": round(step / per_epoch, 3), "resumed_finished": True})
     metrics["seconds_before_first_step"] = round(seconds_before_first_step, 1)
     metrics["ttt_attention"] = sorted(TTT_PATHS_USED)  # "fused" unless the kernel was unavailable
+    metrics["history"] = history
     return metrics
+
+
+HISTORY_POINTS = 2000  # a report's loss history keeps at most about this many steps (evenly thinned)
+
+
+def record_history(history: list[dict], point: dict) -> None:
+    """Append one optimizer step's figures. The points lie on an even grid of steps (the newest one excepted);
+    past HISTORY_POINTS every other point goes and the grid's spacing doubles, so the curve keeps its shape over
+    the whole run and ends at the last step."""
+    history.append(point)
+    if len(history) < 3:
+        return
+    first, spacing = history[0]["step"], history[1]["step"] - history[0]["step"]
+    if (history[-2]["step"] - first) % spacing:  # the previous newest point, off the grid: superseded
+        del history[-2]
+    if len(history) > HISTORY_POINTS:
+        kept = history[::2]
+        if kept[-1] is not history[-1]:
+            kept.append(history[-1])
+        history[:] = kept
 
 
 def _start_profiler(device):

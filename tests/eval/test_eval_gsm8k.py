@@ -101,8 +101,8 @@ def test_reference_backend_end_to_end_on_a_tiny_model(tmp_path):
             for i in range(5):
                 f.write(json.dumps({"question": f"What is {i} plus {i}?", "answer": f"{i}+{i}={2 * i}\n#### {2 * i}"})
                         + "\n")
-    rc = G.main(["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--data-path", data,
-                 "--fewshot-path", data, "--limit", "5", "--num-shots", "1", "--max-new-tokens", "12",
+    rc = G.main(["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--dataset-path", data,
+                 "--fewshot-path", data, "--num-prompts", "5", "--num-shots", "1", "--max-new-tokens", "12",
                  "--compare", "--out", str(out)])
     assert rc == 0
     assert sorted(os.listdir(out)) == ["acceptance.png", "report.json", "report.md"]
@@ -159,11 +159,11 @@ def test_truncated_server_histogram_uses_the_server_depth():
 
 
 @pytest.mark.parametrize("argv,text", [
-    (["--limit", "0"], "--limit 0"),
-    (["--num-steps", "-1"], "--num-steps -1"),
-    (["--data-path", "/nonexistent/test.jsonl"], "no such file"),
+    (["--num-prompts", "0"], "--num-prompts 0"),
+    (["--speculative-num-steps", "-1"], "--speculative-num-steps -1"),
+    (["--dataset-path", "/nonexistent/test.jsonl"], "no such file"),
     (["--draft", "/nonexistent/head"], "no exported head there"),
-    (["--base-url", "http://127.0.0.1:9", "--compare"], "--compare-base-url"),
+    (["--base-url", "http://127.0.0.1:9", "--compare"], "--nospec-base-url"),
 ])
 def test_bad_command_lines_are_refused_before_any_model_loads(argv, text, capsys):
     from sglang_ext.eval import gsm8k as G
@@ -178,7 +178,7 @@ def test_an_unreachable_server_is_an_error_not_a_traceback(capsys, tmp_path):
 
     data = tmp_path / "test.jsonl"  # a local split: a clean clone has no ../shared data (and no network)
     data.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n")
-    argv = ["--base-url", "http://127.0.0.1:9", "--limit", "1", "--data-path", str(data), "--num-shots", "0"]
+    argv = ["--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--dataset-path", str(data), "--num-shots", "0"]
     assert G.main(argv) == 2  # nothing listens on port 9
     assert "cannot ask http://127.0.0.1:9" in capsys.readouterr().err
 
@@ -249,3 +249,38 @@ def test_a_server_that_refuses_a_request_is_not_retried_and_its_message_kept():
     with stub_server(Refuse) as url, pytest.raises(ServerRefused, match="HTTP 400.*longer than the context"):
         post_json(f"{url}/v1/chat/completions", {}, retries=3)
     assert len(calls) == 1
+
+
+def test_clients_send_the_api_key_of_a_server_started_with_one(monkeypatch):
+    """A server started with --api-key answers 401 without the bearer token: every client sends --api-key (default
+    $OPENAI_API_KEY), and a missing key is named in the error; the key is not written to reports."""
+    import http.server
+
+    from sglang_ext.eval.gsm8k import ServerBackend, parse_args
+    from sglang_ext.http_client import ServerRefused, get_json, post_json, redacted
+
+    class Keyed(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            ok = self.headers.get("Authorization") == "Bearer sk-test"
+            body = json.dumps({"model_path": "m", "text": "x", "meta_info": {}} if ok else {"error": "bad key"}).encode()
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *a):
+            pass
+
+    with stub_server(Keyed) as url:
+        assert get_json(f"{url}/get_model_info", api_key="sk-test")["model_path"] == "m"
+        assert ServerBackend(url, None, api_key="sk-test")._post({"text": "q"})["text"] == "x"
+        with pytest.raises(ServerRefused, match="HTTP 401.*pass --api-key or set OPENAI_API_KEY"):
+            post_json(f"{url}/generate", {})
+        with pytest.raises(ServerRefused, match="did not accept the API key"):
+            get_json(f"{url}/get_model_info", api_key="wrong")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    served = ["--base-url", "http://127.0.0.1:9", "--tokenizer", "t"]
+    assert parse_args(served).api_key == "sk-env" and parse_args([*served, "--api-key", "k"]).api_key == "k"
+    assert redacted({"api_key": "k", "lr": 1})["api_key"] == "<given>"

@@ -50,12 +50,12 @@ def main():
             print(srv.log()[-4000:])
             return 1
         print(f"server ready in {srv.ready_s:.0f}s")
-        rc = G.main(["--base-url", srv.url, "--tokenizer", f"{WORK}/target", "--data-path", GSM8K,
-                     "--fewshot-path", GSM8K, "--num-shots", "1", "--limit", "8", "--max-new-tokens", "32",
+        rc = G.main(["--base-url", srv.url, "--tokenizer", f"{WORK}/target", "--dataset-path", GSM8K,
+                     "--fewshot-path", GSM8K, "--num-shots", "1", "--num-prompts", "8", "--max-new-tokens", "32",
                      "--out", f"{out}/eval-server"])
         print("eval rc", rc)
-    rc2 = G.main(["--target", f"{WORK}/target", "--draft", f"{WORK}/draft", "--device", "cuda", "--data-path", GSM8K,
-                  "--fewshot-path", GSM8K, "--num-shots", "1", "--limit", "8", "--max-new-tokens", "32",
+    rc2 = G.main(["--target", f"{WORK}/target", "--draft", f"{WORK}/draft", "--device", "cuda", "--dataset-path", GSM8K,
+                  "--fewshot-path", GSM8K, "--num-shots", "1", "--num-prompts", "8", "--max-new-tokens", "32",
                   "--out", f"{out}/eval-reference"])
     a = json.load(open(f"{out}/eval-server/report.json"))
     b = json.load(open(f"{out}/eval-reference/report.json"))

@@ -165,13 +165,13 @@ def build():
 def train_heads() -> subprocess.Popen | None:
     """The heads not trained yet, one after the other in the background (the GPU is shared with a
     server start). One work directory: the MLA run reuses the regenerated data, not the checkpoint."""
-    common = (f"--target {WORK}/target --work {WORK}/train --eval-data {WORK}/heldout.jsonl --eval-prompts 8 "
+    common = (f"--target {WORK}/target --work {WORK}/train --eval-dataset-path {WORK}/heldout.jsonl --eval-num-prompts 8 "
               f"--eval-max-new-tokens 48 --max-new-tokens 96 --draft-vocab-size 384 --lr 3e-3 --ttt-steps 4 "
               f"--device {os.environ.get('GPU_CHECK_TRAIN_DEVICE', 'cuda')}")
     mha_data, mla_data = f"messages:{WORK}/train.jsonl --epochs 6", f"messages:{WORK}/train.jsonl:300 --epochs 3"
     mla_extra = "--head-override q_lora_rank=null"
     if EXTERNAL_TARGET:  # a real chat target: real chat data, the GPU defaults (TTT 7), a larger draft vocabulary
-        common = (f"--target {WORK}/target --work {WORK}/train --eval-data {DATA}/gsm8k-test.jsonl --eval-prompts 16 "
+        common = (f"--target {WORK}/target --work {WORK}/train --eval-dataset-path {DATA}/gsm8k-test.jsonl --eval-num-prompts 16 "
                   f"--max-new-tokens 256 --draft-vocab-size 16384 --lr 1e-3 --device cuda "
                   + os.environ.get("GPU_CHECK_TRAIN_ARGS", ""))
         n = os.environ.get("GPU_CHECK_TRAIN_CONVS", "1200")
@@ -548,8 +548,8 @@ def evaluate(name: str, srv: Server, state: dict, t_start: float) -> dict:
 
                 row["gsm8k_rc"] = G.main([
                     "--base-url", srv.url, "--tokenizer", f"{WORK}/target",
-                    "--data-path", f"{DATA}/gsm8k-test.jsonl", "--fewshot-path",
-                    f"{DATA}/gsm8k-train.jsonl", "--limit", os.environ.get("GPU_CHECK_GSM8K_LIMIT", "200"),
+                    "--dataset-path", f"{DATA}/gsm8k-test.jsonl", "--fewshot-path",
+                    f"{DATA}/gsm8k-train.jsonl", "--num-prompts", os.environ.get("GPU_CHECK_GSM8K_LIMIT", "200"),
                     "--out", gsm_out])
     else:
         sim = float(env["SGLANG_SIMULATE_ACC_LEN"]) - 1

@@ -321,7 +321,7 @@ def step_build() -> None:
 EVAL_PROMPTS = int(os.environ.get("EVAL_PROMPTS", "32"))
 TRAIN_COMMON = ["--target", TARGET, "--turns", "first", "--max-new-tokens", "256", "--draft-vocab-size", "16384",
                 "--epochs", os.environ.get("TRAIN_EPOCHS", "6"), "--lr", "2e-3", "--grad-accum", "1", "--ttt-steps", "7",
-                "--eval-data", f"{DATA}/gsm8k-test.jsonl", "--eval-prompts", str(EVAL_PROMPTS), "--eval-max-new-tokens", "128",
+                "--eval-dataset-path", f"{DATA}/gsm8k-test.jsonl", "--eval-num-prompts", str(EVAL_PROMPTS), "--eval-max-new-tokens", "128",
                 "--device", "cuda", "--profile-steps", "3", "--regen-samples", os.environ.get("TRAIN_SAMPLES", "1")]
 TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRAIN_SHAREGPT', '1500')}",
               "--data", f"gsm8k:{DATA}/gsm8k-train.jsonl:{os.environ.get('TRAIN_GSM8K', '3000')}"]
@@ -458,8 +458,8 @@ def step_target_and_regen() -> dict:
             from sglang_ext.eval import gsm8k as G
 
             t = time.time()
-            rc = G.main(["--base-url", srv.url, "--tokenizer", TARGET, "--data-path", f"{DATA}/gsm8k-test.jsonl",
-                         "--fewshot-path", f"{DATA}/gsm8k-train.jsonl", "--limit", "200",
+            rc = G.main(["--base-url", srv.url, "--tokenizer", TARGET, "--dataset-path", f"{DATA}/gsm8k-test.jsonl",
+                         "--fewshot-path", f"{DATA}/gsm8k-train.jsonl", "--num-prompts", "200",
                          "--out", f"{RESULTS}/gsm8k-nospec"])
             say(f"target: GSM8K eval (no spec, 200 questions, 5-shot chat) rc {rc} in {time.time() - t:.0f}s")
         if need_regen:
@@ -560,8 +560,8 @@ def step_arms(arms: list[str]) -> None:
             f"{RESULTS}/gsm8k-reference/report.json"):
         REF_EVAL = subprocess.Popen(
             [PY, "-P", "-m", "sglang_ext.eval.gsm8k", "--target", TARGET, "--draft", f"{CHECK_WORK}/head-mha", "--device", "cuda",
-             "--data-path", f"{DATA}/gsm8k-test.jsonl", "--fewshot-path", f"{DATA}/gsm8k-train.jsonl",
-             "--limit", os.environ.get("REF_EVAL_LIMIT", "40"), "--out", f"{RESULTS}/gsm8k-reference"],
+             "--dataset-path", f"{DATA}/gsm8k-test.jsonl", "--fewshot-path", f"{DATA}/gsm8k-train.jsonl",
+             "--num-prompts", os.environ.get("REF_EVAL_LIMIT", "40"), "--out", f"{RESULTS}/gsm8k-reference"],
             cwd=REPO, stdout=open(f"{ROOT}/eval-reference.log", "w"), stderr=subprocess.STDOUT)
         STARTED.append(REF_EVAL)
         say("arms: reference-decoder GSM8K eval started (background)")

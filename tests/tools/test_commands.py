@@ -66,3 +66,14 @@ def test_python_m_sglang_ext_lists_the_commands():
     assert p.returncode == 0 and p.stdout.strip() == VERSION
     p = run("no-such-command")
     assert p.returncode == 2 and "commands:" in p.stderr
+
+
+def test_figures_are_skipped_naming_the_extra_when_matplotlib_is_missing(monkeypatch, capsys):
+    """Without matplotlib a command still writes its JSON and markdown reports; the figure is skipped with the extra
+    that installs it, not a traceback after the work."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    from sglang_ext.plotting import pyplot
+
+    assert pyplot("eval", "throughput.png") is None
+    err = capsys.readouterr().err
+    assert "throughput.png not written" in err and "sglang-eagle3-mla[eval]" in err

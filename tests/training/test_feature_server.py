@@ -208,8 +208,8 @@ def test_train_draft_with_only_the_target_weights_it_needs(tmp_path, capsys, fmt
     with stub_server(StandIn) as url:
         rc = main(["--target", target_dir, "--target-weights-only", "--regen-server", url, "--features-server", url,
                    "--features-dir", str(feats), "--data", f"messages:{data}", "--draft-format", fmt,
-                   "--work", str(tmp_path / "work"), "--out", str(tmp_path / "head"), "--eval-data", str(gsm),
-                   "--eval-prompts", "1", "--max-new-tokens", "8", "--epochs", "1", "--draft-vocab-size", "128",
+                   "--work", str(tmp_path / "work"), "--out", str(tmp_path / "head"), "--eval-dataset-path", str(gsm),
+                   "--eval-num-prompts", "1", "--max-new-tokens", "8", "--epochs", "1", "--draft-vocab-size", "128",
                    "--ttt-steps", "2", "--aux-layers", "1,3,4", "--device", "cpu"])
     assert rc == 0 and len(StandIn.rids) == 12
     report = json.load(open(tmp_path / "head" / "training_report.json"))

@@ -62,7 +62,7 @@ def test_server_regeneration_keeps_reasoning_content(monkeypatch):
 
     sent = []
 
-    def reply(url, body, retries, timeout):
+    def reply(url, body, retries, timeout, api_key=None):
         sent.append(body["messages"])
         return {"choices": [{"message": {"role": "assistant", "content": "Four", "reasoning_content": "two and two"}}]}
 

@@ -54,7 +54,7 @@ def test_a_faithful_report_is_reproduced_prompt_for_prompt(exported, capsys, tmp
     assert out["identical_outputs"] == 5 and out["paired_difference"] == 0 and out["within_noise"]
     assert out["remeasured"] == pytest.approx(report["acceptance"]["trained"]["accepted_drafts_per_step"])
     assert "within the noise" in capsys.readouterr().out
-    assert run(root, "--prompts", "2", "--out", str(tmp_path / "r2.json")) == 0
+    assert run(root, "--num-prompts", "2", "--out", str(tmp_path / "r2.json")) == 0
     assert json.load(open(tmp_path / "r2.json"))["prompts"] == 2
 
 
@@ -82,9 +82,9 @@ def test_bad_input_is_named_with_its_fix(exported, tmp_path, capsys):
     moved["acceptance"]["eval_data"] = "/tmp/gpu-data/gsm8k-test.jsonl-not-here"
     (tmp_path / "training_report.json").write_text(json.dumps(moved))
     assert main(["--draft", str(tmp_path), "--target", str(root / "target")]) == 2
-    assert "pass the same file with --eval-data" in capsys.readouterr().err
-    assert main(["--draft", str(tmp_path), "--target", str(root / "target"), "--eval-data", "./nowhere.jsonl"]) == 2
-    assert "--eval-data './nowhere.jsonl': no such file" in capsys.readouterr().err
+    assert "pass the same file with --dataset-path" in capsys.readouterr().err
+    assert main(["--draft", str(tmp_path), "--target", str(root / "target"), "--dataset-path", "./nowhere.jsonl"]) == 2
+    assert "--dataset-path './nowhere.jsonl': no such file" in capsys.readouterr().err
     (tmp_path / "training_report.json").write_text("[1, 2]")
     assert main(["--draft", str(tmp_path), "--target", str(root / "target")]) == 2
     assert "not a training report" in capsys.readouterr().err
@@ -92,7 +92,7 @@ def test_bad_input_is_named_with_its_fix(exported, tmp_path, capsys):
     short = tmp_path / "short.jsonl"
     short.write_text(json.dumps({"question": "one?", "answer": "#### 1"}) + "\n")
     moved_head = head_with_report(root, tmp_path / "moved", moved)
-    assert main(["--draft", moved_head, "--target", str(root / "target"), "--eval-data", str(short)]) == 2
+    assert main(["--draft", moved_head, "--target", str(root / "target"), "--dataset-path", str(short)]) == 2
     assert "not the report's source" in capsys.readouterr().err
 
 
@@ -107,11 +107,11 @@ def test_other_prompts_of_the_same_count_are_refused_not_paired(exported, tmp_pa
     other = tmp_path / "other.jsonl"
     other.write_text("".join(json.dumps({"question": f"what is {i} plus {i}?" if i != 3 else "what is 3 times 3?",
                                          "answer": "#### 0"}) + "\n" for i in range(5)))
-    assert run(root, "--eval-data", str(other)) == 2
+    assert run(root, "--dataset-path", str(other)) == 2
     err = capsys.readouterr().err
-    assert "prompt 3 (1 of 5 in all)" in err and "is not the report's" in err and "--eval-data" in err
+    assert "prompt 3 (1 of 5 in all)" in err and "is not the report's" in err and "--dataset-path" in err
     old = json.loads(json.dumps(report))
     for r in old["acceptance"]["trained"]["per_prompt"]:
         del r["prompt_sha256"]
     head = head_with_report(root, tmp_path / "head", old)
-    assert main(["--draft", head, "--target", str(root / "target"), "--prompts", "2"]) == 0
+    assert main(["--draft", head, "--target", str(root / "target"), "--num-prompts", "2"]) == 0

@@ -22,8 +22,10 @@ def test_yaml_values_are_defaults_checked_like_options(tmp_path):
     c = tmp_path / "c.yaml"
     c.write_text("lr: 5e-3\n")  # PyYAML: a string
     assert parse_args(["--config", str(c)]).lr == 0.005
+    c.write_text("lr: null\n")  # null: the device's default, as when the key is absent
+    assert parse_args(["--config", str(c), "--device", "cpu"]).lr == 5e-3
     for text, match in [("draft_format: MLA\n", "draft_format: 'MLA'; choose from"), ("lr: fast\n", "lr: 'fast'"),
-                        ("bogus: 1\n", "unknown key 'bogus'"), ("epochs: 2.7\n", ""), ("lr: null\n", ""),
+                        ("bogus: 1\n", "unknown key 'bogus'"), ("epochs: 2.7\n", ""), ("seed: null\n", ""),
                         ("aux_layers: [1, 2, 3]\n", ""), ("work: 5\n", "")]:
         c.write_text(text)
         with pytest.raises(SystemExit):
@@ -101,7 +103,7 @@ def test_train_draft_under_torchrun_rank0_prepares_and_exports(tmp_path):
                         "-m", "sglang_ext.training.train_draft", "--target", str(tmp_path / "target"),
                         "--aux-layers", "0,1,2",
                         "--max-new-tokens", "8", "--draft-vocab-size", "128", "--epochs", "1", "--ttt-steps", "2",
-                        "--eval-data", str(tmp_path / "gsm.jsonl"), "--eval-prompts", "2", "--eval-max-new-tokens", "8",
+                        "--eval-dataset-path", str(tmp_path / "gsm.jsonl"), "--eval-num-prompts", "2", "--eval-max-new-tokens", "8",
                         "--device", "cpu", "--batch-tokens", "128", "--max-train-minutes", "0",  # ranks stop together
                         "--data", f"messages:{tmp_path / 'sg.jsonl.gz'}", "--regen-samples", "2",
                         "--work", str(tmp_path / "work"), "--out", str(tmp_path / "head")],
@@ -112,6 +114,12 @@ def test_train_draft_under_torchrun_rank0_prepares_and_exports(tmp_path):
     report = json.load(open(tmp_path / "head" / "training_report.json"))
     assert report["world_size"] == 2 and report["train_conversations"] == 2 * 11  # 12 prompts, 1 held out
     assert report["final_metrics"]["step"] == 1 and report["final_metrics"]["stopped_early"]
+    # the options in effect and where each came from; one history point per optimizer step; the curve beside it
+    assert report["options"]["lr"] == 5e-3 and report["option_sources"]["lr"] == "cpu default"
+    assert report["options"]["epochs"] == 1 and report["option_sources"]["epochs"] == "given"
+    assert [h["step"] for h in report["history"]] == [1] and len(report["history"][0]["accuracy_per_step"]) == 2
+    assert (tmp_path / "head" / "training_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "options: lr 0.005 (cpu default), epochs 1 (given)" in p.stdout
     # the estimate keeps, per prompt, what a server re-measuring it on the same prompts is paired against
     est = report["acceptance"]["trained"]
     assert len(est["per_prompt"]) == 2 and "standard_error" in est
@@ -163,3 +171,35 @@ def test_fit_attention_steps_only_where_the_attention_was_not_taken(capsys):
             parse_args(["--fit-attention-steps", bad])
         assert f"--fit-attention-steps {bad}: a number of steps >= 0 or auto" in capsys.readouterr().err
 
+
+
+def test_defaults_follow_the_device_and_say_where_they_came_from():
+    """The CPU demo and a GPU run get their own learning rate, epochs and batching; a given option wins; the GPU
+    learning rate follows the head's width (SpecForge's 1e-4 for a 7168-wide DeepSeek / Kimi head)."""
+    from sglang_ext.training.train_draft import parse_args, resolve_lr, resolved_options_line
+
+    cpu = parse_args(["--device", "cpu"])
+    assert (cpu.lr, cpu.epochs, cpu.grad_accum, cpu.batch_tokens, cpu.ttt_steps) == (5e-3, 8, 4, 0, 3)
+    assert cpu.option_sources["lr"] == "cpu default"
+    gpu = parse_args(["--device", "cuda"])
+    assert (gpu.epochs, gpu.grad_accum, gpu.batch_tokens, gpu.ttt_steps, gpu.draft_vocab_size) == (6, 1, 16384, 7, 32000)
+    resolve_lr(gpu, 7168)
+    assert gpu.lr == 1e-4 and gpu.option_sources["lr"] == "cuda default (head 7168 wide)"
+    small = parse_args(["--device", "cuda"])
+    resolve_lr(small, 576)
+    assert small.lr == 2e-3
+    given = parse_args(["--device", "cuda", "--lr", "3e-4", "--epochs", "2"])
+    resolve_lr(given, 7168)
+    assert given.lr == 3e-4 and given.option_sources["lr"] == "given" and given.option_sources["epochs"] == "given"
+    assert "lr 0.0003 (given), epochs 2 (given), grad-accum 1 (cuda default)" in resolved_options_line(given)
+
+
+def test_history_keeps_its_shape_and_last_step_when_thinned():
+    from sglang_ext.training.trainer import HISTORY_POINTS, record_history
+
+    history = []
+    for step in range(1, 3 * HISTORY_POINTS + 1):
+        record_history(history, {"step": step})
+    steps = [h["step"] for h in history]
+    assert len(steps) <= HISTORY_POINTS + 1 and steps[0] == 1 and steps[-1] == 3 * HISTORY_POINTS
+    assert steps == sorted(steps) and max(b - a for a, b in zip(steps, steps[1:])) <= 4
