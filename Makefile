@@ -21,8 +21,8 @@ install:  ## create .venv and install the package with SGLang 0.5.17 and the tes
 test:  ## the whole CPU test suite (what CI runs)
 	$(PY) -m pytest -q
 
-test-fast:  ## skip the tests that load SmolLM2 or start fresh SGLang interpreters
-	$(PY) -m pytest -q --ignore=tests/serving/test_plugin.py --ignore=tests/core/test_smollm2.py
+test-fast:  ## the tests that need no fresh interpreter, SmolLM2 or end-to-end run (pytest -m "not slow")
+	$(PY) -m pytest -q -m "not slow"
 
 inspect:  ## check a draft against a target before serving: make inspect DRAFT=... TARGET=...
 	$(PY) -m sglang_ext inspect-draft $(DRAFT) --target $(TARGET)

@@ -50,7 +50,7 @@ def test_good_draft_keeps_drafting_deep():
 
 
 def test_an_unmeasured_cheaper_depth_is_measured_not_modelled():
-    """H200, Kimi-shaped target, 128 requests, a draft accepting 2 of 3 (session 10): 54 ms per step at depth 3,
+    """H200, Kimi-shaped target, 128 requests, a draft accepting 2 of 3 (an earlier run): 54 ms per step at depth 3,
     14.5 ms at depth 0, ~25 ms at depth 1. With only depth 3 measured the model put depth 0 at 37 ms, so the
     policy kept depth 3 (0.83x of no speculation); measured, depth 1 gives the most tokens per second."""
     pol, switches = replay_two_of_three({0: 14.5e-3, 1: 25e-3, 3: 54e-3}, steps=300)
@@ -131,7 +131,7 @@ def test_a_new_batch_size_stops_at_once_when_the_shared_window_accepts_nothing()
 
 
 def test_an_occasional_slow_step_does_not_keep_a_useless_draft_running():
-    """The H200 run of session 9: batch 1, a draft that never accepts, step times as measured there (depth 0
+    """The H200 run of an earlier run: batch 1, a draft that never accepts, step times as measured there (depth 0
     5.77 ms, depth 1 8.0, depth 3 7.9) and now and then a slow step (a request arriving, a state switch).
     With an EMA, one slow depth-0 step made depth 1 look cheaper; depth 0 was then never re-measured and 37%
     of the steps ran a draft. Now only the warm-up and the probes do."""
@@ -161,7 +161,7 @@ def test_a_stale_low_depth_time_is_bounded_by_a_deeper_measured_one():
 
 
 def test_a_shallow_window_does_not_make_deep_drafting_look_better_than_measured():
-    """H200, Kimi-shaped target, 128 requests, a draft accepting exactly 2 of 3 (session 10): one step refills
+    """H200, Kimi-shaped target, 128 requests, a draft accepting exactly 2 of 3 (an earlier run): one step refills
     the 64-request-step window, so at depth 1 it knew only position 1 (rate 1.0); extrapolated, depth 3 looked
     like 3 accepted drafts per step and the policy went 1 -> 3 -> 1 at every decision (116 switches in a run).
     Deeper positions now take the rates last measured at depth 3: the policy settles at depth 1."""
@@ -209,7 +209,7 @@ def correlated(rng, k, p, batch):
 
 def test_acceptance_correlated_across_a_batch_is_not_read_from_one_step():
     """H200, Kimi-shaped target, 127 requests, a draft accepting 0.5 per step where SGLang's simulation draws one
-    length per step (session 13): depth 0 13.22 ms, depth 1 27.44 ms, depth 3 47.07 ms (2 accepted drafts per step
+    length per step (an earlier run): depth 0 13.22 ms, depth 1 27.44 ms, depth 3 47.07 ms (2 accepted drafts per step
     at 83-128 requests), so drafting loses (1.5 / 27.44 and 1.875 / 47.07 tokens per ms against 1 / 13.22).
     A window of 64 request-steps was half a step: every probe's verdict was one coin flip, a lucky one sent the
     policy to depth 1 or 3 ("accepted drafts per step at depth 1: 1.00"), an unlucky one back, and the arm ran at

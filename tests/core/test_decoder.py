@@ -157,6 +157,7 @@ def test_top_p_top_k_filtering():
     assert p[0] == 1.0
 
 
+@pytest.mark.slow  # a fresh interpreter, SmolLM2 or an end-to-end run: `make test`, not `make test-fast`
 def test_sampled_speculation_matches_plain_sampling_end_to_end():
     scipy_stats = pytest.importorskip("scipy.stats")
     t = tiny.build_target(tiny.llama_config(num_layers=2, vocab=12, hidden=64), dtype=torch.float64)

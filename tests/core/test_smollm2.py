@@ -6,6 +6,8 @@ import pytest
 from sglang_ext.core import tiny
 from sglang_ext.core.decoder import ReferenceDecoder
 
+pytestmark = pytest.mark.slow  # loads SmolLM2: `make test`, not `make test-fast`
+
 pytest.importorskip("gguf")
 
 

@@ -122,7 +122,7 @@ def main() -> int:
         single, weights = run_single(args.work, args.device, cfg)
         agree = compare(args.work, weights)
         # throughput after the warm-up steps (sglang_ext.training.trainer's "steady"): the first steps carry NCCL's
-        # communicator setup and kernel autotuning, which in session 9 made two GPUs look 2-4x slower than one
+        # communicator setup and kernel autotuning, which in an earlier run made two GPUs look 2-4x slower than one
         r = {"config": cfg, "two_ranks": ddp, "one_process": single, **agree,
              "tokens_per_s_two_ranks": steady_rate(ddp), "tokens_per_s_one_process": steady_rate(single),
              "tokens_per_s_with_warmup": [ddp["tokens_trained"] / ddp["seconds"],

@@ -1,7 +1,7 @@
 """GPU check of the MLA scale target (issue: MLA scale target).
 
-1. `python -m sglang_ext.training.scale_target` with the GPU defaults on the staged data (`.gpu-state/data`,
-   written by tests/gpu/stage_data.py), timed end to end (loading SmolLM2 and data included).
+1. `python -m sglang_ext.training.scale_target` with the GPU defaults on ShareGPT and GSM8K (tests/gpu/gpu_data.py:
+   the packages, or the files of GPU_DATA), timed end to end (loading SmolLM2 and data included).
 2. Greedy outputs on GSM8K chat prompts: transformers (fp32, with top-2 logprob gaps) vs SGLang 0.5.17
    serving the checkpoint with the plugin and without it (no speculation).
 Prints a table; writes $OUT/scale_target.json (and the target's report).
@@ -26,7 +26,7 @@ sys.path.append(REPO)
 from serverlib import Server  # noqa: E402
 
 WORK = os.environ.get("SCALE_WORK", "/tmp/scale")
-DATA = os.environ.get("GPU_DATA", os.path.join(REPO, ".gpu-state", "data"))
+import gpu_data  # noqa: E402
 OUT = os.environ.get("OUT", "/tmp")
 N_PROMPTS = int(os.environ.get("N_PROMPTS", "32"))
 MAX_NEW = 64
@@ -35,7 +35,7 @@ MAX_NEW = 64
 def build() -> dict:
     t = time.time()
     cmd = [sys.executable, "-P", "-m", "sglang_ext.training.scale_target", "--out", f"{WORK}/target",
-           "--data", f"messages:{DATA}/sharegpt.jsonl.gz", "--gsm8k-data", f"{DATA}/gsm8k-test.jsonl",
+           "--data", gpu_data.sharegpt_spec(), "--gsm8k-data", gpu_data.gsm8k("test"),
            *os.environ.get("SCALE_ARGS", "").split()]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     log = (p.stdout + p.stderr).replace("\r", "\n")
@@ -52,7 +52,7 @@ def build() -> dict:
 def prompts(tok) -> list[list[int]]:
     from sglang_ext.training.chat import prompt_ids
 
-    rows = [json.loads(line) for line in open(f"{DATA}/gsm8k-test.jsonl")][:N_PROMPTS]
+    rows = [json.loads(line) for line in open(gpu_data.gsm8k("test"))][:N_PROMPTS]
     return [prompt_ids(tok, [{"role": "user", "content": r["question"]}]) for r in rows]
 
 

@@ -34,6 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 # the checkout last: an installed sglang_ext (a wheel on PYTHONPATH) wins; else the editable install's
 sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import gpu_data  # noqa: E402
 from serverlib import Server, attention_backend, port, tp_args  # noqa: E402
 
 from sglang_ext.config import Eagle3DraftConfig, TargetConfig  # noqa: E402
@@ -42,10 +43,8 @@ from sglang_ext.config.kv import draft_kv_bytes_per_token, target_kv_bytes_per_t
 WORK = os.environ.get("GPU_CHECK_WORK", "/tmp/servecheck")
 OUT = os.environ.get("OUT", "/tmp")
 # another target (e.g. the MLA scale target, built by tests/gpu/check_scale_target.py): prompts are GSM8K
-# test questions and the heads train on staged ShareGPT (.gpu-state/data, tests/gpu/stage_data.py)
+# test questions and the heads train on ShareGPT (tests/gpu/gpu_data.py: the packages, or GPU_DATA's files)
 EXTERNAL_TARGET = os.environ.get("GPU_CHECK_TARGET")
-DATA = os.environ.get("GPU_DATA", os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), ".gpu-state", "data"))
 N_PROMPTS = int(os.environ.get("N_PROMPTS", "200"))
 # appended to every arm's server arguments, e.g. --enable-fp32-lm-head: fp32 logits make the top-2 gap at a
 # parting measurable below one bf16 step (a trained target's logits are ~10-30, where bf16 steps are 0.06-0.125)
@@ -126,7 +125,7 @@ def build_external():
     tok = AutoTokenizer.from_pretrained(f"{WORK}/target")
     from sglang_ext.training.chat import prompt_ids
 
-    rows = [json.loads(line) for line in open(f"{DATA}/gsm8k-test.jsonl")]
+    rows = [json.loads(line) for line in open(gpu_data.gsm8k("test"))]
     # the last rows: the heads' held-out acceptance uses the first ones
     return [prompt_ids(tok, [{"role": "user", "content": r["question"]}]) for r in rows[-N_PROMPTS:]]
 
@@ -171,11 +170,11 @@ def train_heads() -> subprocess.Popen | None:
     mha_data, mla_data = f"messages:{WORK}/train.jsonl --epochs 6", f"messages:{WORK}/train.jsonl:300 --epochs 3"
     mla_extra = "--head-override q_lora_rank=null"
     if EXTERNAL_TARGET:  # a real chat target: real chat data, the GPU defaults (TTT 7), a larger draft vocabulary
-        common = (f"--target {WORK}/target --work {WORK}/train --eval-dataset-path {DATA}/gsm8k-test.jsonl --eval-num-prompts 16 "
+        common = (f"--target {WORK}/target --work {WORK}/train --eval-dataset-path {gpu_data.gsm8k('test')} --eval-num-prompts 16 "
                   f"--max-new-tokens 256 --draft-vocab-size 16384 --lr 1e-3 --device cuda "
                   + os.environ.get("GPU_CHECK_TRAIN_ARGS", ""))
         n = os.environ.get("GPU_CHECK_TRAIN_CONVS", "1200")
-        mha_data = mla_data = f"messages:{DATA}/sharegpt.jsonl.gz:{n} --epochs 3"
+        mha_data = mla_data = f"{gpu_data.sharegpt_spec(n)} --epochs 3"
         mla_extra = ""
     cmds = []
     if not os.path.exists(f"{WORK}/head-mha/model.safetensors"):
@@ -244,7 +243,7 @@ def same_prompts_row(served: list[dict], acc: dict, eos: int | None) -> dict:
     row = {"prompts": len(served), "server_accepted_drafts_per_step": drafts / steps if steps else 0.0,
            "server_verify_steps": steps, "reference_accepted_drafts_per_step": acc["trained"]["accepted_drafts_per_step"],
            "reference_chain_steps": acc["chain_steps"]}
-    if acc["trained"].get("per_prompt"):  # reports from session 17 on
+    if acc["trained"].get("per_prompt"):  # reports that keep their per-prompt rows
         row.update(pair_with_reference(served, acc["trained"]["per_prompt"], eos))
     row["server_per_prompt"] = served
     return row
@@ -548,8 +547,8 @@ def evaluate(name: str, srv: Server, state: dict, t_start: float) -> dict:
 
                 row["gsm8k_rc"] = G.main([
                     "--base-url", srv.url, "--tokenizer", f"{WORK}/target",
-                    "--dataset-path", f"{DATA}/gsm8k-test.jsonl", "--fewshot-path",
-                    f"{DATA}/gsm8k-train.jsonl", "--num-prompts", os.environ.get("GPU_CHECK_GSM8K_LIMIT", "200"),
+                    "--dataset-path", gpu_data.gsm8k("test"), "--fewshot-path",
+                    gpu_data.gsm8k("train"), "--num-prompts", os.environ.get("GPU_CHECK_GSM8K_LIMIT", "200"),
                     "--out", gsm_out])
     else:
         sim = float(env["SGLANG_SIMULATE_ACC_LEN"]) - 1

@@ -1,6 +1,6 @@
 #!/bin/bash
-# Starts the GPU session's background work detached (a device `run` kills what it leaves in its own
-# session), then watches it. One GPU: the scale pipeline. Two GPUs (nvidia-h200-x2): the pipeline on
+# Starts the GPU run's background work detached (a process left in the caller's session may be killed with it),
+# then watches it. One GPU: the scale pipeline. Two GPUs (nvidia-h200-x2): the pipeline on
 # GPU 0 and, on GPU 1 (GPU1=bench|specforge|ddp,specforge|ddp,bench|none), the benchmark suite (sglang_ext.eval.spec_bench
 # all, the default) or the SpecForge training comparison (each after the two-GPU DDP check with ddp,...), side by
 # side; on one GPU, GPU1=specforge runs that comparison on the pipeline's GPU.
@@ -12,7 +12,8 @@ BUDGET=${1:-1450}
 export PYTHONPATH=/tmp/site:$PWD GPU_DATA=/tmp/gpu-data PYTHONUNBUFFERED=1
 if [ ! -f /tmp/scale/target/scale_target_report.json ]; then  # the build needs the teacher; a restored one does not
   if [ ! -f /tmp/teacher/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
-    cat /tmp/teacher/*.part-aa .gpu-state/teacher/*.part-ab > /tmp/teacher/SmolLM2-135M-Instruct.Q4_1.gguf
+    cat /tmp/teacher/*.part-aa "${STAGE:?STAGE: the directory tests/gpu/stage_data.py wrote}"/teacher/*.part-ab \
+      > /tmp/teacher/SmolLM2-135M-Instruct.Q4_1.gguf
   fi
   export TEACHER=/tmp/teacher/SmolLM2-135M-Instruct.Q4_1.gguf
 fi

@@ -1,9 +1,9 @@
 #!/bin/bash
-# The TP issue on nvidia-h200-x2, as one detached job (a device `run` kills what it leaves in its own
-# session) and a watch:
+# Tensor parallelism on nvidia-h200-x2, as one detached job (a process left in the caller's session may be
+# killed with it) and a watch:
 #   phase 1, side by side: check_serving on the tiny DeepseekV3 target at TP=1 (GPU 0; heads restored from
-#            .gpu-state, so nothing trains), then our training step against SpecForge's on GPU 0
-#            (training/bench_vs_specforge.py; TP_SPECFORGE=0: not; needs .gpu-state/wheels carried); on GPU 1,
+#            $STAGE, so nothing trains), then our training step against SpecForge's on GPU 0
+#            (training/bench_vs_specforge.py; TP_SPECFORGE=0: not; needs $STAGE/wheels carried); on GPU 1,
 #            more check_serving arms on the same target (DET_ARMS, if any), then the Kimi-shaped benchmark
 #            arms at TP=1 (P1_BENCH_ARMS: by default the protection's profile, no speculation vs the
 #            protected zero-acceptance arm), which also build the Kimi-shaped target and heads for phase 2;
@@ -17,7 +17,7 @@
 # Env: TP_ARMS (check_serving arms), DET_ARMS (the deterministic suite), TP_BENCH_ARMS (spec_bench arms),
 # TP_LEVELS (concurrency levels), TP_BENCH_OPTS (spec_bench run options), PHASE1_DEADLINE_S / PHASE2_DEADLINE_S (no new check arm after that many
 # seconds of the phase: device time is the budget). Needs /tmp/site (install.sh) and the tiny target's heads
-# of an earlier run in .gpu-state (carry .gpu-state/head-mha, .gpu-state/head-mla, .gpu-state/state.json).
+# of an earlier run in $STAGE (head-mha, head-mla, state.json).
 # Results: /tmp/tp, copied to $OUT/tp by every watch.
 set -e
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -53,10 +53,10 @@ if [ "$1" = "watch" ]; then watch "${2:-540}"; exit 0; fi
 # chain in deterministic mode.
 export GPU_CHECK_ATTENTION_BACKEND=${GPU_CHECK_ATTENTION_BACKEND:-triton}  # the TP figures were taken on Triton
 ARMS=${TP_ARMS:-"target-deterministic mha-chain-fp8-verify-decode-deterministic mha-chain-verify-decode-deterministic"}
-# GPU 1's check arms during phase 1 (session 7 ran the overlap-off and sampled arms; empty: GPU 1 only builds
+# GPU 1's check arms during phase 1 (an earlier run ran the overlap-off and sampled arms; empty: GPU 1 only builds
 # the Kimi-shaped target)
 DET_ARMS=${DET_ARMS-""}
-# the benchmark issue's protection, profiled at 1 and 32 requests (session 9: 0.83x at batch 1, from drafting
+# the benchmark issue's protection, profiled at 1 and 32 requests (an earlier run: 0.83x at batch 1, from drafting
 # on 37% of the steps, since fixed; 0.92-0.93x TPOT at 32-128, the depth-0 step's own cost): what a depth-0
 # step costs against a plain decode step, and the policy's steps and step times per depth
 P1_BENCH_ARMS=${P1_BENCH_ARMS-"nospec zero-accept-protected-verify-decode"}
@@ -64,7 +64,7 @@ P1_BENCH_OPTS=${P1_BENCH_OPTS:-"--concurrency 1,32,128 --repeats 2 --profile-at 
 TP_FEATURE=${TP_FEATURE:-0}
 TP_DDP=${TP_DDP:-1}
 TP_SPECFORGE=${TP_SPECFORGE:-1}
-# session 7 served MHA chain, MLA chain and MHA tree on the Kimi-shaped target at TP=2
+# an earlier run served MHA chain, MLA chain and MHA tree on the Kimi-shaped target at TP=2
 BENCH_ARMS=${TP_BENCH_ARMS-"plugin-mla-tree plugin-fp8"}
 LEVELS=${TP_LEVELS:-"1,8,32"}
 # the Kimi-shaped arms at TP=2 show that the plugin starts and serves at that size; a short run each
@@ -86,12 +86,12 @@ check() {  # WORK TP DEADLINE RESTORE ARM... (each check builds the same tiny ta
 }
 mkdir -p /tmp/tp1/out /tmp/tp2/out /tmp/det1/out
 # the restored heads and prompts only: an earlier run's results must not read as this run's
-rm -rf /tmp/tp-base && mkdir -p /tmp/tp-base && cp -r $PWD/.gpu-state/head-mha $PWD/.gpu-state/head-mla /tmp/tp-base/
-python -c "import json; s = json.load(open('$PWD/.gpu-state/state.json')); json.dump({'prompts': s['prompts']}, open('/tmp/tp-base/state.json', 'w'))"
+rm -rf /tmp/tp-base && mkdir -p /tmp/tp-base && cp -r ${STAGE:?STAGE: a directory with head-mha, head-mla and state.json of an earlier check}/head-mha ${STAGE:?STAGE: a directory with head-mha, head-mla and state.json of an earlier check}/head-mla /tmp/tp-base/
+python -c "import json; s = json.load(open('${STAGE:?STAGE: a directory with head-mha, head-mla and state.json of an earlier check}/state.json')); json.dump({'prompts': s['prompts']}, open('/tmp/tp-base/state.json', 'w'))"
 say "phase 1: TP=1 check_serving ($ARMS) on GPU 0; GPU 1: check arms ($DET_ARMS), benchmark arms ($P1_BENCH_ARMS)"
 ( CUDA_VISIBLE_DEVICES=0 check /tmp/tp1 1 $P1 /tmp/tp-base $ARMS > $TP/check-tp1.log 2>&1; say "check TP=1 rc \$?"
   # then, on GPU 0 (GPU 1's benchmark arms take as long as these checks): our training step against
-  # SpecForge's (the trainer issue), if its wheel was carried (.gpu-state/wheels)
+  # SpecForge's (the trainer issue), if its wheel was carried ($STAGE/wheels)
   if [ "$TP_SPECFORGE" = 1 ]; then  # the scale pipeline's step (installs the wheel; writes /tmp/scale/results)
     CUDA_VISIBLE_DEVICES=0 python tests/gpu/scale_pipeline.py specforge > $TP/specforge.log 2>&1
     say "SpecForge comparison rc \$?"; cp /tmp/scale/results/specforge.* $TP/ 2>/dev/null

@@ -11,7 +11,7 @@ trainer, evaluation, head formats, worker + metrics). Steps, each skipped when i
            transformers;
 4. heads   `sglang_ext.training.train_draft` MHA and MLA (the MLA run reuses the MHA run's regenerated data and
            features): one after the other on one GPU (the MLA trainer starts when the MHA trainer's training
-           loop ends; session 16: two trainers sharing an H200 each got under half its throughput and lost
+           loop ends; an earlier run: two trainers sharing an H200 each got under half its throughput and lost
            ~140 s outside their loops), side by side with MLA_TRAIN_GPU;
 5. arms    tests/gpu/check_serving.py on this target (PIPE_ARMS; those without a head while both heads
            train, then those not needing the MLA head while it may still train): chain and tree with
@@ -22,7 +22,7 @@ trainer, evaluation, head formats, worker + metrics). Steps, each skipped when i
            decoder on the same questions, compared per question with the server's
            (results/gsm8k_agreement.json).
 
-Started detached (a device `run` kills what it leaves running unless it has its own session) -- usually
+Started detached (a process left in the caller's session may be killed with it) -- usually
 through tests/gpu/launch.sh, which also starts the benchmark on a second GPU -- or by hand:
 
     mkdir -p /tmp/scale && rm -f /tmp/scale/progress.log   # the watcher stops at a DONE/FAILED line
@@ -32,7 +32,7 @@ through tests/gpu/launch.sh, which also starts the benchmark on a second GPU -- 
 
 A build can outlive its machine: `pack-build K` (K = 0, 1, ...) copies the K-th group of parts of the
 build, its regenerated data and the target's reference outputs to $OUT (four parts a call, within what a
-call returns), and a later session carries the parts back and runs `unpack-build DIR` before the pipeline,
+call returns), and a later run carries the parts back and runs `unpack-build DIR` before the pipeline,
 which then starts no build, no server and no regeneration (~900 s of an H200 saved). `pack-heads K` /
 `unpack-heads DIR` do the same for the exported heads (K = 0 packs what is exported then): a restored head is
 not trained again, only served.
@@ -45,7 +45,7 @@ training prompt, `--regen-samples`; default 1), TRAIN_MINUTES_MHA / TRAIN_MINUTE
 instead), MLA_TRAIN_GPU (a physical GPU index for the MLA trainer; default: the pipeline's), TRAIN_ORDER
 (sequential, the default on one GPU, or concurrent, the default with MLA_TRAIN_GPU), EVAL_PROMPTS (held-out
 GSM8K prompts of each head's acceptance estimate, default 32), PIPE_SKIP (steps an
-earlier session measured: gsm8k, upstream, noise, specforge, fp32, mla), PIPE_ROOT (the work
+earlier run measured: gsm8k, upstream, noise, specforge, fp32, mla), PIPE_ROOT (the work
 directory, default /tmp/scale; a build's parts go beside it, in <root>-build, the heads' in <root>-heads).
 """
 
@@ -70,14 +70,14 @@ ROOT = os.environ.get("PIPE_ROOT", "/tmp/scale")  # the pipeline's work; another
 TARGET = f"{ROOT}/target"
 RESULTS = f"{ROOT}/results"
 CHECK_WORK = f"{ROOT}/servecheck"
-DATA = os.environ.get("GPU_DATA", os.path.join(REPO, ".gpu-state", "data"))
+import gpu_data  # noqa: E402
 os.environ.setdefault("GPU_CHECK_TARGET", TARGET)
 os.environ.setdefault("GPU_CHECK_WORK", CHECK_WORK)
 os.environ.setdefault("GPU_CHECK_EXTRA_ARGS", "--enable-fp32-lm-head")
 # the pipeline's figures (docs/results.md, the MLA scale target) were taken on Triton: its arms keep that backend
 os.environ.setdefault("GPU_CHECK_ATTENTION_BACKEND", "triton")
 DEADLINE = float(os.environ.get("PIPE_DEADLINE", time.time() + 3600))
-# steps a session that measured them already may leave out (comma-separated): gsm8k (the GSM8K evals),
+# steps a run that measured them already may leave out (comma-separated): gsm8k (the GSM8K evals),
 # upstream (the target in SGLang without the plugin), noise (the target's batch noise floor), specforge,
 # fp32 (the target served in fp32 against transformers), mla (the MLA head's training: the MHA head alone)
 SKIP = set(filter(None, os.environ.get("PIPE_SKIP", "").split(",")))
@@ -104,7 +104,7 @@ def train_order() -> str:
 train_order()  # a misspelt TRAIN_ORDER stops the pipeline before it builds anything
 
 
-# What a later session needs to train on this machine's build without rebuilding or regenerating: the target,
+# What a later run needs to train on this machine's build without rebuilding or regenerating: the target,
 # the regenerated data, and the target's reference outputs (the serving arms compare against them).
 PACKED = ["target", "train-mha/regenerated.jsonl", "train-mha/regenerated.complete", "servecheck/state.json",
           "results/scale_greedy.json", "results/build.json"]
@@ -317,14 +317,14 @@ def step_build() -> None:
 
 
 # held-out GSM8K chat prompts of each head's reference-decoder estimate (which check_serving re-measures on the
-# server): 32 through session 17, standard error ~0.05 accepted drafts per step; 64 halves its variance
+# server): 32 before 2026-12-01, standard error ~0.05 accepted drafts per step; 64 halves its variance
 EVAL_PROMPTS = int(os.environ.get("EVAL_PROMPTS", "32"))
 TRAIN_COMMON = ["--target", TARGET, "--turns", "first", "--max-new-tokens", "256", "--draft-vocab-size", "16384",
                 "--epochs", os.environ.get("TRAIN_EPOCHS", "6"), "--lr", "2e-3", "--grad-accum", "1", "--ttt-steps", "7",
-                "--eval-dataset-path", f"{DATA}/gsm8k-test.jsonl", "--eval-num-prompts", str(EVAL_PROMPTS), "--eval-max-new-tokens", "128",
+                "--eval-dataset-path", gpu_data.gsm8k("test"), "--eval-num-prompts", str(EVAL_PROMPTS), "--eval-max-new-tokens", "128",
                 "--device", "cuda", "--profile-steps", "3", "--regen-samples", os.environ.get("TRAIN_SAMPLES", "1")]
-TRAIN_DATA = ["--data", f"messages:{DATA}/sharegpt.jsonl.gz:{os.environ.get('TRAIN_SHAREGPT', '1500')}",
-              "--data", f"gsm8k:{DATA}/gsm8k-train.jsonl:{os.environ.get('TRAIN_GSM8K', '3000')}"]
+TRAIN_DATA = ["--data", gpu_data.sharegpt_spec(os.environ.get("TRAIN_SHAREGPT", "1500")),
+              "--data", f"gsm8k:{gpu_data.gsm8k('train')}:{os.environ.get('TRAIN_GSM8K', '3000')}"]
 
 
 ARM_MIN_LEFT_S = 200  # no serving arm starts with less left (ready ~90 s, a chain arm's 200 prompts ~30 s)
@@ -333,11 +333,11 @@ STARTED: list[subprocess.Popen] = []  # ended if the pipeline fails
 
 def train_minutes(fmt: str, regenerates: bool) -> float:
     """TRAIN_MINUTES_<FMT> or TRAIN_MINUTES, or less where the deadline would otherwise stop the trainer before it
-    exports and estimates acceptance (session 8: the MLA trainer, started 6 minutes after the MHA one, would have been
+    exports and estimates acceptance (an earlier run: the MLA trainer, started 6 minutes after the MHA one, would have been
     killed in its last minute). Reserved: regeneration and features (~330 s per response per prompt, when
-    this trainer does them), what precedes the first step (~30 s alone), export and the acceptance estimate (session
-    17: 129 s with 32 prompts, ~3.5 s a prompt) and the time step_arms needs left to start this head's serving arm
-    (200 s; session 16 reserved 150 in all after training, which trained the MLA head until its arm could not start)."""
+    this trainer does them), what precedes the first step (~30 s alone), export and the acceptance estimate (129 s
+    with 32 prompts, ~3.5 s a prompt) and the time step_arms needs left to start this head's serving arm
+    (200 s; an earlier run reserved 150 in all after training, which trained the MLA head until its arm could not start)."""
     want = float(os.environ.get(f"TRAIN_MINUTES_{fmt.upper()}") or os.environ.get("TRAIN_MINUTES", "5"))
     reserve = (30 + 20 + 3.5 * EVAL_PROMPTS + ARM_MIN_LEFT_S
                + (330 * int(os.environ.get("TRAIN_SAMPLES", "1")) if regenerates else 0))
@@ -458,8 +458,8 @@ def step_target_and_regen() -> dict:
             from sglang_ext.eval import gsm8k as G
 
             t = time.time()
-            rc = G.main(["--base-url", srv.url, "--tokenizer", TARGET, "--dataset-path", f"{DATA}/gsm8k-test.jsonl",
-                         "--fewshot-path", f"{DATA}/gsm8k-train.jsonl", "--num-prompts", "200",
+            rc = G.main(["--base-url", srv.url, "--tokenizer", TARGET, "--dataset-path", gpu_data.gsm8k("test"),
+                         "--fewshot-path", gpu_data.gsm8k("train"), "--num-prompts", "200",
                          "--out", f"{RESULTS}/gsm8k-nospec"])
             say(f"target: GSM8K eval (no spec, 200 questions, 5-shot chat) rc {rc} in {time.time() - t:.0f}s")
         if need_regen:
@@ -560,7 +560,7 @@ def step_arms(arms: list[str]) -> None:
             f"{RESULTS}/gsm8k-reference/report.json"):
         REF_EVAL = subprocess.Popen(
             [PY, "-P", "-m", "sglang_ext.eval.gsm8k", "--target", TARGET, "--draft", f"{CHECK_WORK}/head-mha", "--device", "cuda",
-             "--dataset-path", f"{DATA}/gsm8k-test.jsonl", "--fewshot-path", f"{DATA}/gsm8k-train.jsonl",
+             "--dataset-path", gpu_data.gsm8k("test"), "--fewshot-path", gpu_data.gsm8k("train"),
              "--num-prompts", os.environ.get("REF_EVAL_LIMIT", "40"), "--out", f"{RESULTS}/gsm8k-reference"],
             cwd=REPO, stdout=open(f"{ROOT}/eval-reference.log", "w"), stderr=subprocess.STDOUT)
         STARTED.append(REF_EVAL)
@@ -607,10 +607,10 @@ REF_EVAL: subprocess.Popen | None = None
 
 def step_specforge() -> None:
     """Our training step vs SpecForge's on an 8B-class head (training/bench_vs_specforge.py), if the
-    wheel was carried (.gpu-state/wheels) and time is left; --profile prints our top CUDA ops."""
+    wheel is in $STAGE/wheels and time is left; --profile prints our top CUDA ops."""
     import glob
 
-    wheels = glob.glob(os.path.join(REPO, ".gpu-state", "wheels", "specforge-*.whl"))
+    wheels = glob.glob(os.path.join(os.environ.get("STAGE", REPO), "wheels", "specforge-*.whl"))
     if not wheels or left() < 150 or os.path.exists(f"{RESULTS}/specforge.json"):
         say(f"specforge: skipped ({'no wheel' if not wheels else 'no time' if left() < 150 else 'done'})")
         return
@@ -701,7 +701,7 @@ def watch(limit: float) -> int:
             for line in bench[seen_bench:]:
                 print(line, flush=True)
             seen_bench = len(bench)
-        # no line yet: done only if no pipeline runs (session 16: a watch started 3 s after the launch, before the
+        # no line yet: done only if no pipeline runs (an earlier run: a watch started 3 s after the launch, before the
         # pipeline's first line, returned at once)
         done = (not lines and not pipeline_running()) or any(
             x.startswith("[pipe") and ("DONE" in x or "FAILED" in x) for x in lines)

@@ -38,9 +38,9 @@ def port() -> int:
 
 
 def tp_args(tp: int) -> list[str]:
-    """--tp-size, and at TP > 1 FlashInfer's all-reduce fusion off: on the lent nvidia-h200-x2 (a Firecracker VM,
+    """--tp-size, and at TP > 1 FlashInfer's all-reduce fusion off: on an nvidia-h200-x2 VM (Firecracker,
     NVLink multicast disabled) SGLang 0.5.17 auto-enables it for DeepseekV3 targets and then hangs for good after
-    setting up its TRTLLM workspace (SymmDeviceMemory), with or without --disable-custom-all-reduce (session 6,
+    setting up its TRTLLM workspace (SymmDeviceMemory), with or without --disable-custom-all-reduce (an earlier run,
     docs/results.md, "Tensor parallelism"). With the fusion off TP=2 serves."""
     return ["--tp-size", str(tp)] + (["--enforce-disable-flashinfer-allreduce-fusion"] if tp > 1 else [])
 
@@ -100,7 +100,7 @@ class Server:
             body = r.read()
         try:
             return json.loads(body)
-        except ValueError:  # a plain-text answer: SGLang's /start_profile says "Start profiling." (session 9's
+        except ValueError:  # a plain-text answer: SGLang's /start_profile says "Start profiling." (an earlier run's
             return body.decode()  # profiles failed on parsing it, and the benchmark then stopped the server)
 
     def get(self, path: str, timeout: float = 60) -> str:

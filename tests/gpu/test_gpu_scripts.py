@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CHECK = """
@@ -47,6 +49,7 @@ print(json.dumps({"train": [args.batch_tokens, args.profile_steps, args.max_trai
 """
 
 
+@pytest.mark.slow  # a fresh interpreter, SmolLM2 or an end-to-end run: `make test`, not `make test-fast`
 def test_gpu_script_command_lines_parse():
     env = dict(os.environ, GPU_CHECK_EXTRA_ARGS="--enable-fp32-lm-head", GPU_CHECK_WORK="/tmp/gpu-script-check")
     p = subprocess.run([sys.executable, "-c", CHECK], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -92,7 +95,7 @@ def test_gpu_script_command_lines_parse():
         "SGLANG_EXT_DRAFT_KV_CACHE_DTYPE": "fp8_e4m3", "SGLANG_EXT_MLA_VERIFY": "decode"}
     assert arms["mla-tree-verify-decode-deterministic"][1] == 4
     assert arms["mha-chain-no-overlap-verify-decode-deterministic"][2] is True
-    # TP=2: FlashInfer's all-reduce fusion off (it hangs TP=2 start on the lent machine; serverlib.tp_args)
+    # TP=2: FlashInfer's all-reduce fusion off (it hangs TP=2 start on a VM without NVLink multicast; serverlib.tp_args)
     assert r["tp2"] == [2, True] and not any(a[8] for a in arms.values())
 
 
@@ -236,6 +239,7 @@ def test_compare_tp_reads_an_arm_the_first_run_lacks_against_its_target():
     assert r[arm]["vs_first_run"]["other_partings"] == 1 and r[arm]["vs_second_target"]["identical"] == 1
 
 
+@pytest.mark.slow  # a fresh interpreter, SmolLM2 or an end-to-end run: `make test`, not `make test-fast`
 def test_check_ddp_runs_on_the_cpu(tmp_path):
     """tests/gpu/check_ddp.py's CPU dry run (gloo, a small target): torchrun's two ranks and one process with
     the same global batch train on the same tokens to the same weights, and the script prints PASS."""
@@ -249,7 +253,7 @@ def test_check_ddp_runs_on_the_cpu(tmp_path):
 
 
 def test_server_post_reads_json_and_plain_text_answers():
-    """SGLang's /start_profile answers plain text ("Start profiling."); session 9's benchmark parsed it as JSON,
+    """SGLang's /start_profile answers plain text ("Start profiling."); an earlier run's benchmark parsed it as JSON,
     failed, and stopped the server mid-run. Server.post returns JSON answers decoded and others as text."""
     import http.server
 
@@ -373,10 +377,11 @@ print(json.dumps(out))
 """
 
 
-def test_pipeline_build_travels_between_sessions_and_heads_train_one_after_the_other(tmp_path):
+@pytest.mark.slow  # a fresh interpreter, SmolLM2 or an end-to-end run: `make test`, not `make test-fast`
+def test_pipeline_build_travels_between_machines_and_heads_train_one_after_the_other(tmp_path):
     """A default build (~900 s of an H200: build, server, regeneration) must survive its machine, split into parts a
     device call can return and checked when restored; and on one GPU the MLA trainer waits for the MHA trainer's
-    loop (session 16: two trainers sharing an H200 each got under half its throughput)."""
+    loop (an earlier run: two trainers sharing an H200 each got under half its throughput)."""
     env = {k: v for k, v in os.environ.items() if k not in ("MLA_TRAIN_GPU", "TRAIN_ORDER", "TRAIN_MINUTES")}
     p = subprocess.run([sys.executable, "-c", BUILD_CHECK, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=300)
@@ -405,7 +410,7 @@ def test_pipeline_refuses_an_unknown_training_order():
 
 
 def test_pack_build_and_unpack_build_commands(tmp_path):
-    """The two commands as a session types them: pack-build K into $OUT/build, unpack-build DIR into the root."""
+    """The two commands as one types them: pack-build K into $OUT/build, unpack-build DIR into the root."""
     root = tmp_path / "scale"
     for rel, data in {"target/model.safetensors": os.urandom(3000), "target/scale_target_report.json": b"{}",
                       "train-mha/regenerated.jsonl": b'{"id": "1"}\n', "train-mha/regenerated.complete": b"done",

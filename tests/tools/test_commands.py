@@ -47,6 +47,7 @@ def run(*args) -> subprocess.CompletedProcess:
                           cwd=REPO)
 
 
+@pytest.mark.slow  # a fresh interpreter, SmolLM2 or an end-to-end run: `make test`, not `make test-fast`
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_each_command_answers_help_and_version(name):
     p = run(name, "--help")

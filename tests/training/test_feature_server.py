@@ -165,6 +165,7 @@ def test_train_draft_needs_the_feature_dir_with_a_server():
     assert args.features_dir == "/shared/features"
 
 
+@pytest.mark.slow  # a fresh interpreter, SmolLM2 or an end-to-end run: `make test`, not `make test-fast`
 def test_plugin_hooks_the_target_load_only_for_a_feature_server(tmp_path):
     import subprocess
     import sys

@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 
 from sglang_ext.training import scale_target as st
 
+pytestmark = pytest.mark.slow  # loads SmolLM2: `make test`, not `make test-fast`
+
 
 def test_group0_rope_survives_the_layout_change():
     """SmolLM2 rotates pairs (i, i + 32); DeepSeek's checkpoints store the rope part interleaved

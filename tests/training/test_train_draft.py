@@ -82,6 +82,7 @@ def test_trainer_speed_benchmark_runs_our_side_on_the_cpu(tmp_path):
     assert len(r["times"]) == 2 and r["tokens_per_s"] > 0
 
 
+@pytest.mark.slow  # a fresh interpreter, SmolLM2 or an end-to-end run: `make test`, not `make test-fast`
 def test_train_draft_under_torchrun_rank0_prepares_and_exports(tmp_path):
     """`torchrun --nproc_per_node 2 -m sglang_ext.training.train_draft ...` on the CPU: rank 0 regenerates and
     captures while rank 1 waits, both train, rank 0 alone exports and reports. With --regen-samples 2

@@ -262,6 +262,7 @@ def test_profile_option_logs_where_the_step_time_goes(tiny_pair):
     assert "aten::" in table and "Self CPU" in table
 
 
+@pytest.mark.slow  # a fresh interpreter, SmolLM2 or an end-to-end run: `make test`, not `make test-fast`
 def test_data_parallel_training_equals_one_process_with_the_same_global_batch(tiny_pair, tmp_path):
     """torchrun, 2 CPU ranks (gloo), grad-accum 1 == one process, grad-accum 2: each step's units are
     split across ranks and gradients summed, so the weights match; a rank that starts from other
