@@ -10,7 +10,7 @@ DATA    ?=
 LIMIT   ?= 30
 EVAL_OUT ?= out/eval-gsm8k
 
-.PHONY: install test test-fast serve inspect train-draft scale-target eval-gsm8k bench
+.PHONY: install test test-fast demo serve inspect train-draft scale-target eval-gsm8k bench
 
 install:  ## create .venv and install the package with SGLang 0.5.17 and the test tools
 	python3 -m venv .venv
@@ -23,6 +23,9 @@ test:  ## the whole CPU test suite (what CI runs)
 
 test-fast:  ## the tests that need no fresh interpreter, SmolLM2 or end-to-end run (pytest -m "not slow")
 	$(PY) -m pytest -q -m "not slow"
+
+demo:  ## one minute on a CPU: a tiny MLA target, an Eagle3 head trained for it, the pair inspected (out/demo)
+	$(PY) -m sglang_ext demo --out out/demo
 
 inspect:  ## check a draft against a target before serving: make inspect DRAFT=... TARGET=...
 	$(PY) -m sglang_ext inspect-draft $(DRAFT) --target $(TARGET)

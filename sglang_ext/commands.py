@@ -24,6 +24,8 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command] = {
+    "demo": Command("sglang_ext.demo", "a one-minute CPU demo: tiny MLA target, train an Eagle3 head, inspect the pair",
+                    "eagle3-demo"),
     "inspect-draft": Command("sglang_ext.inspect_draft", "check an Eagle3 head against its target before serving",
                              "eagle3-inspect"),
     "train": Command("sglang_ext.training.train_draft",

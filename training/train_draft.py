@@ -358,6 +358,22 @@ def aux_layer_ids(args, target_config) -> list[int]:
     return list(aux_layer_plan(args, target_config).output_ids)
 
 
+def aux_layer_problem(args, target_config=None) -> str | None:
+    """Why the head's aux layers cannot be resolved for this target (None: they can), said as the trainer's option
+    -- before the target loads where its config.json is readable (a GGUF or a hub id: once it has loaded)."""
+    from sglang_ext.errors import ConfigError
+
+    if target_config is None:
+        if not os.path.isfile(os.path.join(str(args.target), "config.json")):
+            return None
+        target_config = dict(TargetConfig.load(args.target).config)
+    try:
+        aux_layer_plan(args, target_config)
+    except ConfigError as e:
+        return f"--aux-layers {args.aux_layers or '(default)'}: {e} (here: --aux-layers with 0-based output ids)"
+    return None
+
+
 FIT_ATTENTION_AUTO_STEPS = 300
 
 
@@ -545,6 +561,10 @@ def main(argv=None) -> int:
         except FileNotFoundError as e:
             print(f"{PROG}: error: --data {e}", file=sys.stderr)
             return 2
+    problem = aux_layer_problem(args)
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
     t0 = time.time()
     world, rank, wait_group = init_distributed(args)
     torch.manual_seed(args.seed)
@@ -571,6 +591,10 @@ def main(argv=None) -> int:
               "(embedding, lm_head, final norm, the init layer's attention / dense MLP / norms)")
     else:
         target = load_target(args.target, dtype=dtype, device=device)
+    problem = aux_layer_problem(args, target.config)
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
     aux_ids = aux_layer_ids(args, target.config)
     feat_dir = os.path.join(args.work, "features")
     if rank == 0:

@@ -78,3 +78,14 @@ def test_figures_are_skipped_naming_the_extra_when_matplotlib_is_missing(monkeyp
     assert pyplot("eval", "throughput.png") is None
     err = capsys.readouterr().err
     assert "throughput.png not written" in err and "sglang-eagle3-mla[eval]" in err
+
+
+@pytest.mark.slow  # a fresh interpreter, SmolLM2 or an end-to-end run: `make test`, not `make test-fast`
+def test_the_demo_trains_exports_and_inspects_a_pair_offline(tmp_path):
+    """`make demo` from an empty directory: a tiny MLA target, an MLA head trained and exported for it, the pair
+    accepted by the startup checks; about a minute on 2 cores."""
+    p = subprocess.run([sys.executable, "-m", "sglang_ext", "demo", "--out", str(tmp_path / "demo")],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "OK: the server would accept this pair." in p.stdout
+    assert "untrained head" in p.stdout and (tmp_path / "demo" / "head" / "training_curve.png").exists()

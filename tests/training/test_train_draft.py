@@ -204,3 +204,17 @@ def test_history_keeps_its_shape_and_last_step_when_thinned():
     steps = [h["step"] for h in history]
     assert len(steps) <= HISTORY_POINTS + 1 and steps[0] == 1 and steps[-1] == 3 * HISTORY_POINTS
     assert steps == sorted(steps) and max(b - a for a, b in zip(steps, steps[1:])) <= 4
+
+
+def test_aux_layers_a_target_cannot_take_are_refused_before_it_loads(tmp_path, capsys):
+    """A 4-layer target has no default [1, N//2-1, N-4] of 3 distinct layers: the trainer says so as its own option,
+    before loading the target or reading data, instead of a traceback after the load."""
+    from sglang_ext.training.train_draft import main
+
+    cfg = tiny.deepseek_v3_config(num_layers=4, hidden=64, heads=2, vocab=512)
+    tiny.save_target(tiny.build_target(cfg, seed=0), tiny.train_tokenizer(512), str(tmp_path / "t"))
+    assert main(["--target", str(tmp_path / "t"), "--device", "cpu", "--out", str(tmp_path / "o"),
+                 "--work", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert "--aux-layers (default)" in err and "[1, 1, 0]" in err and "Traceback" not in err
+    assert not (tmp_path / "w" / "regenerated.jsonl").exists()
