@@ -129,3 +129,31 @@ def _result(p):
     line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT")), None)
     assert line, p.stdout[-2000:] + p.stderr[-4000:]
     return json.loads(line[len("RESULT"):])
+
+
+# The serving tests that start a fresh interpreter (SGLang's plugin loader, launch_server's argument parsing) or run
+# SGLang's own kernels and controllers on the CPU, 5-25 s each on 2 cores: `make test` runs them, `make test-fast`
+# (`-m "not slow"`) leaves them out. Elsewhere such tests carry @pytest.mark.slow themselves.
+SLOW_SERVING_MODULES = {"test_plugin.py"}  # every test a fresh interpreter
+SLOW_SERVING_TESTS = {
+    "test_hooks_name_real_sglang_symbols_and_register_only_with_the_policy",
+    "test_adaptive_cost_policy_inside_sglangs_adaptive_controller",
+    "test_mla_head_architectures_resolve_to_our_class_and_mla_shapes",
+    "test_real_requests_that_stop_inside_an_accepted_run",
+    "test_sglangs_own_server_args_run_the_startup_check",
+    "test_plugin_applies_the_hooks_unless_upstreams_kernel_is_asked_for",
+    "test_hooks_on_sglangs_triton_backend_equal_its_own_verify",
+    "test_deterministic_mode_verify_rows_equal_plain_decode_bit_for_bit",
+    "test_verify_as_decode_equals_upstreams_extend_kernel",
+    "test_flags_in_help_and_config_yaml_reach_the_environment",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        if item.path.parent.name != "serving":
+            continue
+        if item.path.name in SLOW_SERVING_MODULES or getattr(item, "originalname", item.name) in SLOW_SERVING_TESTS:
+            item.add_marker(pytest.mark.slow)

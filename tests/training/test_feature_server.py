@@ -179,6 +179,7 @@ def test_plugin_hooks_the_target_load_only_for_a_feature_server(tmp_path):
         assert f"HOOKED {hooked}" in p.stdout, p.stderr[-2000:]
 
 
+@pytest.mark.slow  # a fresh interpreter, SmolLM2 or an end-to-end run: `make test`, not `make test-fast`
 @pytest.mark.parametrize("fmt", ["mla", "mha"])
 def test_train_draft_with_only_the_target_weights_it_needs(tmp_path, capsys, fmt):
     """A target too large for this process: its servers regenerate and capture, the trainer reads the embedding,
