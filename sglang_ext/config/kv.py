@@ -36,6 +36,27 @@ def canonical_kv_dtype(name: str | None, field: str = DRAFT_KV_DTYPE_FIELD) -> s
     return key
 
 
+# SGLang 0.5.18+'s own --speculative-draft-kv-cache-dtype choices (server_args / arg_groups/fields/spec.py) -> ours
+# (fp8_e5m2 is not among the plugin's own choices; it is sized and cached as SGLang does)
+UPSTREAM_DRAFT_KV_DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
+def effective_draft_kv_dtype(option: str | None, upstream: str | None) -> str | None:
+    """The draft's KV cache dtype (None: the target's) from the plugin's option (its variable; None: unset or auto)
+    and SGLang's own flag of the same name (0.5.18+; None: not given or auto): the option where it names a dtype,
+    else SGLang's; the two naming different dtypes are refused."""
+    if upstream is None or str(upstream).strip().lower() in ("", "auto"):
+        return option
+    key = str(upstream).strip().lower()
+    theirs = UPSTREAM_DRAFT_KV_DTYPES.get(key, key)
+    if option is not None and option != theirs:
+        raise ConfigError(DRAFT_KV_DTYPE_FIELD, option, f"names another draft KV cache dtype than SGLang's own "
+                          f"--speculative-draft-kv-cache-dtype {upstream}, which this SGLang release parses",
+                          f"pass the dtype once, as --speculative-draft-kv-cache-dtype, and unset "
+                          f"{BY_ATTR['draft_kv_cache_dtype'].env}")
+    return theirs
+
+
 # SGLang 0.5.17's --kv-cache-dtype choices (server_args.py) -> bytes per element for the pool arithmetic
 # (None: a packed 4-bit recipe with scales, not sized here)
 TARGET_KV_DTYPES = {"auto": 2, "bf16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "mxfp8": 1,
@@ -64,8 +85,8 @@ def kv_dtype_errors(draft: "Eagle3DraftConfig", draft_dtype: str | None, target_
                                   "SGLang 0.5.17 builds one MLA attention backend configuration for both",
                                   f"leave {DRAFT_KV_DTYPE_FIELD} at auto (or set it to {target_dtype}), or change the "
                                   "target's --kv-cache-dtype, which the MLA head then follows"))
-    need = KV_DTYPES[draft_dtype][1]
-    if compute_capability is not None and tuple(compute_capability) < need:
+    need = KV_DTYPES[draft_dtype][1] if draft_dtype in KV_DTYPES else None  # else one SGLang (0.5.18+) checks itself
+    if compute_capability is not None and need is not None and tuple(compute_capability) < need:
         errors.append(ConfigError(DRAFT_KV_DTYPE_FIELD, draft_dtype,
                                   f"this GPU (compute capability {compute_capability[0]}.{compute_capability[1]}) "
                                   f"cannot cache {draft_dtype} (needs {need[0]}.{need[1]}+)",

@@ -27,6 +27,7 @@ import logging
 import threading
 
 from sglang_ext.core.accounting import AcceptanceStats, apply_stop_truncation, stop_truncation
+from sglang_ext.serving import compat
 from sglang_ext.serving.context import server_args as _server_args
 from sglang_ext.serving.hooks import Hook
 
@@ -38,7 +39,7 @@ METRIC_PREFIX = "sglang:spec_ext_"
 
 def _configured_depth() -> int:
     args = _server_args()
-    return int(getattr(args, "speculative_num_steps", None) or 1) if args is not None else 1
+    return int(compat.spec_num_steps(args) or 1) if args is not None else 1
 
 
 def is_reporting_rank() -> bool:
@@ -256,7 +257,7 @@ def spec_metrics_after(result, self, meta_info, recv_obj, i, *args, **kwargs):
     hists = getattr(recv_obj, "spec_correct_drafts_histogram", None)
     if hists and len(hists) > i:
         hist = hists[i]
-    depth = int(getattr(self.server_args, "speculative_num_steps", None) or 1)
+    depth = int(compat.spec_num_steps(self.server_args) or 1)  # 0.5.21+: the resolved depth, not the raw input
     meta_info.update(request_fields(completion, verify, hist, depth))
     return result
 

@@ -1,4 +1,5 @@
-"""Aux hidden-state capture for Eagle3 under SGLang 0.5.17, by the one aux-layer resolver (sglang_ext.config.aux_layers).
+"""Aux hidden-state capture for Eagle3 under SGLang 0.5.17 - 0.5.23, by the one aux-layer resolver
+(sglang_ext.config.aux_layers).
 
 Extends (AROUND hooks):
   * ``sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture`` -- also
@@ -25,7 +26,7 @@ from sglang_ext import settings
 from sglang_ext.config import TargetConfig, resolve
 from sglang_ext.config.aux_layers import AuxLayerPlan, plan_for_ids, to_output_ids
 from sglang_ext.errors import ConfigError, combined
-from sglang_ext.serving import feature_capture
+from sglang_ext.serving import compat, feature_capture
 from sglang_ext.serving.context import load_draft, local_dir, server_draft_path
 from sglang_ext.serving.hooks import Hook
 
@@ -56,7 +57,7 @@ def _apply_plan(model, plan: AuxLayerPlan, num_layers: int, family: str) -> None
     early = [k - 1 for k in indices if k < start]  # SGLang captures on the last PP stage only
     if early:
         raise ConfigError("eagle_aux_hidden_state_layer_ids", list(plan.output_ids),
-                          f"with pipeline parallelism SGLang 0.5.17 captures aux states only on the last "
+                          f"with pipeline parallelism SGLang {compat.version()} captures aux states only on the last "
                           f"stage, which starts at layer {start}; layer(s) {early} are on an earlier stage",
                           "use fewer pipeline stages or capture layers of the last stage")
     model.capture_aux_hidden_states = True

@@ -1,5 +1,5 @@
-"""What every adapter reads of the server it runs in: SGLang's global server args, local model directories, and the
-server's Eagle3 draft (its typed config and safetensors shapes), read once per process."""
+"""What every adapter reads of the server it runs in: SGLang's server args (compat.server_args), local model
+directories, and the server's Eagle3 draft (its typed config and safetensors shapes), read once per process."""
 
 from __future__ import annotations
 
@@ -25,12 +25,11 @@ def local_dir(path: str | None) -> str | None:
 
 
 def server_args():
-    try:
-        from sglang.srt.server_args import get_global_server_args
+    """The server's arguments in this process, as resolved (None: no server context, a bare model in a test);
+    where SGLang keeps them depends on the release (compat.server_args)."""
+    from sglang_ext.serving import compat
 
-        return get_global_server_args()
-    except Exception:  # noqa: BLE001 -- no server context (a bare model in a test)
-        return None
+    return compat.server_args()
 
 
 def decode_backends() -> tuple[str | None, str | None]:

@@ -38,7 +38,7 @@ import functools
 import logging
 
 from sglang_ext import settings
-from sglang_ext.serving import adaptive
+from sglang_ext.serving import adaptive, compat
 from sglang_ext.serving.hooks import Hook
 
 logger = logging.getLogger(__name__)
@@ -212,8 +212,7 @@ def plain_decode_step(worker, batch, on_publish=None):
         worker._stub_skipped_draft_extend(batch, result)
     else:
         draft = worker.draft_worker
-        with draft.draft_tp_context(draft.draft_runner.tp_group), speculative_moe_backend_context(), \
-                speculative_moe_a2a_backend_context():
+        with compat.draft_tp_context(draft), speculative_moe_backend_context(), speculative_moe_a2a_backend_context():
             draft._draft_extend_for_decode(batch, result)
     return result
 

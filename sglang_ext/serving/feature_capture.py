@@ -10,7 +10,7 @@ layers, as for a draft: ``--speculative-eagle3-aux-layers`` or the default ids) 
 [n, hidden] (after the final norm: what the lm_head reads), bf16. Other requests are served as usual.
 The client is ``sglang_ext.training.features.ServerFeatureExtractor`` (same records as the in-process extractor).
 
-Extends (hooks registered only when the option is set), SGLang 0.5.17:
+Extends (hooks registered only when the option is set), SGLang 0.5.17 - 0.5.23:
   * ``sglang.srt.model_executor.model_runner.ModelRunner.load_model`` (AFTER) -- on the target's runner:
     refuses a radix cache, then switches aux capture on without speculation through the model's
     ``set_eagle3_layers_to_capture`` (our aux_capture hook: plan, checks, the startup line), before CUDA
@@ -27,6 +27,7 @@ import torch
 
 from sglang_ext import settings
 from sglang_ext.errors import ConfigError
+from sglang_ext.serving import compat
 from sglang_ext.serving.hooks import Hook
 
 logger = logging.getLogger(__name__)
@@ -104,12 +105,12 @@ def check_server(args) -> None:
 def after_load_model(result, self, *args, **kwargs):
     if getattr(self, "is_draft_worker", False):
         return result
-    check_server(getattr(self, "server_args", None))
+    check_server(compat.resolved(getattr(self, "server_args", None)))  # 0.5.21+: the record is the raw input
     model = self.model
     if not getattr(model, "capture_aux_hidden_states", False):
         if not hasattr(model, "set_eagle3_layers_to_capture"):
             raise ConfigError(OPTION, directory(), f"{type(model).__name__} cannot capture aux hidden states in "
-                              "SGLang 0.5.17",
+                              f"SGLang {compat.version()}",
                               "capture features in-process (sglang_ext.training.features.FeatureExtractor)")
         model.set_eagle3_layers_to_capture(None)  # our aux_capture hook: default ids or the override
     language = getattr(model, "language_model", None)  # a VL wrapper (Kimi-K2.5) delegates to its text model

@@ -4,7 +4,8 @@
     ``sglang serve``, ``--config`` merging) grows the options of sglang_ext.settings in a group of their own, so
     ``--help`` lists them and a ``--config`` YAML file may set them. Parsing a flag writes its environment variable
     (``ServerArgs`` keeps only its own fields; the scheduler processes inherit the environment). A flag the parser
-    already has (a later SGLang release's own) is left to SGLang.
+    already has (a later SGLang release's own: ``--speculative-draft-kv-cache-dtype`` from 0.5.18) is left to SGLang;
+    its help names the plugin's variable, and the plugin reads SGLang's value (compat.draft_kv_dtype).
   * ``sglang.srt.managers.scheduler.Scheduler.get_internal_state`` (AFTER) -- the values in effect, as
     ``internal_states[0].sglang_ext_settings`` of ``/get_server_info``.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 
 from sglang_ext import settings
+from sglang_ext.errors import ConfigError
+from sglang_ext.serving import compat
 from sglang_ext.serving.hooks import Hook
 
 
@@ -28,6 +31,11 @@ class _ExportAction(argparse._StoreAction):  # SGLang's --config merger takes st
 def add_arguments(parser: argparse.ArgumentParser) -> list[str]:
     """Add the options the parser lacks; returns the flags added."""
     have = getattr(parser, "_option_string_actions", {})
+    for o in settings.OPTIONS:
+        theirs = have.get(o.flag)
+        if theirs is not None and not isinstance(theirs, _ExportAction) and theirs.help != argparse.SUPPRESS \
+                and o.env not in (theirs.help or ""):
+            theirs.help = f"{theirs.help or ''} [sglang-eagle3-mla reads it too; env {o.env}]".lstrip()
     todo = [o for o in settings.OPTIONS if o.flag not in have]
     if not todo:
         return []
@@ -51,7 +59,12 @@ def after_add_cli_args(result, *args, **kwargs):
 def internal_state_after(result, self, *args, **kwargs):
     state = getattr(result, "internal_state", None)
     if isinstance(state, dict):
-        state["sglang_ext_settings"] = settings.current().to_dict()
+        current = settings.current().to_dict()
+        try:  # SGLang 0.5.18+: its own --speculative-draft-kv-cache-dtype where our variable is unset
+            current["draft_kv_cache_dtype"] = compat.draft_kv_dtype() or current["draft_kv_cache_dtype"]
+        except ConfigError:  # contradicting values: refused at startup
+            pass
+        state["sglang_ext_settings"] = current
     return result
 
 

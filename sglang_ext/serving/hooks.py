@@ -1,6 +1,11 @@
 """The hooks the plugin puts on SGLang, declared as data: each serving module lists its own in ``HOOKS``, one `Hook`
-per upstream symbol (the symbol, the kind of hook, the function, the SGLang releases it is written for, and when
-it applies), and the plugin registers them all in one loop (sglang_ext.plugin). docs/design.md has the inventory.
+per upstream symbol (the symbol, the kind of hook, the function, the SGLang releases it applies to, and when it
+applies), and the plugin registers them all in one loop (sglang_ext.plugin). docs/design.md has the inventory.
+
+The plugin supports the SGLang releases of SUPPORTED_RELEASES. Only the hooks whose releases include the running
+SGLang are registered and checked (a symbol that moved between releases has one Hook per spelling); on a release
+outside the range only the startup check is registered, and it refuses the server, naming the release and the
+range. The release-dependent lookups of the adapters themselves are in serving/compat.py.
 
 SGLang's ``HookRegistry.apply_hooks`` logs and skips a target it cannot resolve, and its plugin loader swallows an
 exception from ``register()``: either would turn a feature off silently. So `missing_symbols` is also run by the
@@ -16,9 +21,31 @@ import pkgutil
 from typing import Callable
 
 from sglang_ext.errors import ConfigError
+from sglang_ext.serving import compat
 from sglang_ext.settings import Settings
 
-SUPPORTED_RELEASES = ("0.5.17",)  # SGLang releases the adapters are written for (and tested on)
+# SGLang releases the plugin supports (CI tests 0.5.17; each Hook names the ones it applies to)
+SUPPORTED_RELEASES = ("0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+
+
+def releases(since: str = SUPPORTED_RELEASES[0], until: str = SUPPORTED_RELEASES[-1]) -> tuple[str, ...]:
+    """The supported releases from `since` to `until`, both included."""
+    lo, hi = compat.parse(since), compat.parse(until)
+    return tuple(r for r in SUPPORTED_RELEASES if lo <= compat.parse(r) <= hi)
+
+
+def describe(rels: tuple[str, ...]) -> str:
+    """A list of releases as people read it: "0.5.17 - 0.5.20" for a run of consecutive supported releases."""
+    if len(rels) > 2 and rels[0] in SUPPORTED_RELEASES and \
+            rels == SUPPORTED_RELEASES[SUPPORTED_RELEASES.index(rels[0]):][:len(rels)]:
+        return f"{rels[0]} - {rels[-1]}"
+    return ", ".join(rels)
+
+
+def supported(version: str | None = None) -> bool:
+    """Whether an SGLang release (default: the running one) is one the plugin supports."""
+    v = compat.parse(compat.version() if version is None else version)
+    return v is not None and str(v) in SUPPORTED_RELEASES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,13 +53,19 @@ class Hook:
     target: str  # dotted path of the upstream function or method
     kind: str  # "around" (fn(original, *args)), "before" (fn(*args)), "after" (fn(result, *args))
     fn: Callable
-    releases: tuple[str, ...] = SUPPORTED_RELEASES  # SGLang releases this hook is written for
+    releases: tuple[str, ...] = SUPPORTED_RELEASES  # the SGLang releases it applies to (registered and checked on)
     when: Callable[[Settings], bool] | None = None  # registered only where this holds (opt-in features)
     feature: str = ""  # what breaks without it (named when its symbol is missing)
     option: str = ""  # with `when`: the option that turns it on, as users write it
+    gate: bool = False  # the startup check: also registered on a release outside the range, which it refuses
 
     def applies(self, settings: Settings) -> bool:
         return self.when is None or bool(self.when(settings))
+
+    def covers(self, version: str | None = None) -> bool:
+        """Whether this hook applies to an SGLang release (default: the running one)."""
+        v = compat.parse(compat.version() if version is None else version)
+        return v is not None and str(v) in self.releases
 
 
 def modules():
@@ -48,12 +81,20 @@ def all_hooks() -> list[Hook]:
     return [h for m in modules() for h in m.HOOKS]
 
 
-def active_hooks(settings: Settings) -> list[Hook]:
-    return [h for h in all_hooks() if h.applies(settings)]
+def release_hooks(version: str | None = None) -> list[Hook]:
+    """The hooks for an SGLang release (default: the running one); outside the range, the startup check alone."""
+    if not supported(version):
+        return [h for h in all_hooks() if h.gate]
+    return [h for h in all_hooks() if h.covers(version)]
+
+
+def active_hooks(settings: Settings, version: str | None = None) -> list[Hook]:
+    return [h for h in release_hooks(version) if h.applies(settings)]
 
 
 def register(settings: Settings) -> list[Hook]:
-    """Register every hook that applies with SGLang's HookRegistry; returns them."""
+    """Register every hook that applies (to these settings and this SGLang release) with SGLang's HookRegistry;
+    returns them."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     kinds = {"around": HookType.AROUND, "before": HookType.BEFORE, "after": HookType.AFTER}
@@ -64,12 +105,7 @@ def register(settings: Settings) -> list[Hook]:
 
 
 def sglang_version() -> str:
-    try:
-        from sglang.version import __version__
-
-        return __version__
-    except Exception:  # noqa: BLE001 -- an SGLang without a version module
-        return "?"
+    return compat.version()
 
 
 def resolves(target: str) -> bool:
@@ -90,20 +126,20 @@ def applied(target: str) -> bool:
 
 
 def missing_symbols(settings: Settings, is_applied: Callable[[str], bool] = applied) -> list[ConfigError]:
-    """The active hooks SGLang could not apply (their upstream symbol is not there), or that are not written for
-    this release."""
+    """A running SGLang outside the supported releases, or the active hooks for it that SGLang could not apply
+    (their upstream symbol is not there)."""
     version = sglang_version()
+    fix = f"install a supported SGLang release ({describe(SUPPORTED_RELEASES)})"
+    if not supported(version):
+        return [ConfigError("sglang", version, f"is not a release the plugin supports ({describe(SUPPORTED_RELEASES)})",
+                            f"{fix}, or SGLANG_PLUGINS=<other plugins> to run upstream SGLang without this plugin")]
     errors = []
-    for h in active_hooks(settings):
+    for h in active_hooks(settings, version):
         if not is_applied(h.target):
             errors.append(ConfigError("sglang", version, f"has no {h.target}, which the plugin hooks for "
-                                      f"{h.feature or h.fn.__name__} (written for SGLang {', '.join(h.releases)})",
-                                      f"install a supported SGLang release ({', '.join(SUPPORTED_RELEASES)}), or "
-                                      "SGLANG_PLUGINS=<other plugins> to run upstream SGLang without this plugin"))
-        elif version not in h.releases:
-            errors.append(ConfigError("sglang", version, f"is not a release the plugin's hook on {h.target} is "
-                                      f"written for ({', '.join(h.releases)})",
-                                      f"install a supported SGLang release ({', '.join(SUPPORTED_RELEASES)})"))
+                                      f"{h.feature or h.fn.__name__} (on SGLang {describe(h.releases)})",
+                                      f"{fix}, or SGLANG_PLUGINS=<other plugins> to run upstream SGLang without "
+                                      "this plugin"))
     return errors
 
 
@@ -120,5 +156,5 @@ def inventory_markdown() -> str:
         for h in m.HOOKS:
             when = "always" if h.when is None else f"with {h.option}"
             rows.append(f"| `{h.target.removeprefix('sglang.srt.')}` | {h.kind} | `{m.__name__.rsplit('.', 1)[1]}` | "
-                        f"{', '.join(h.releases)} | {when} | {h.feature} |")
+                        f"{describe(h.releases)} | {when} | {h.feature} |")
     return "\n".join(rows)

@@ -39,6 +39,7 @@ import logging
 import torch
 
 from sglang_ext import settings
+from sglang_ext.serving import compat
 from sglang_ext.serving.hooks import Hook
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def applies(backend) -> bool:
             reasons.append("decode context parallelism")
         if getattr(backend, "sliding_window_size", None) not in (None, -1, 0):
             reasons.append("sliding-window attention")
-        if getattr(backend, "_translate_kv_loc", None) is not None:
+        if compat.translates_kv_loc(backend):
             reasons.append("a unified (translated) KV pool")
         if getattr(backend, "page_size", 1) != 1:
             reasons.append(f"page size {backend.page_size}")
@@ -95,8 +96,7 @@ def expand_verify_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Te
     """Fill `kv_indptr` (>= bs*n + 1 entries) and `kv_indices` for bs*n decode queries, query (b, i) reading
     req_to_token[req_pool_indices[b], : seq_lens[b] + i + 1]; returns the per-query lengths. GPU work only
     (no host synchronisation), so it runs inside CUDA-graph replay preparation."""
-    from sglang.kernels.ops.kvcache.kv_indices import create_flashinfer_kv_indices_triton
-
+    create_flashinfer_kv_indices_triton = compat.create_flashinfer_kv_indices_triton()  # moved in 0.5.23
     n = num_draft_tokens
     lens = verify_window_lengths(seq_lens, n)
     pools = req_pool_indices.repeat_interleave(n)
@@ -139,9 +139,7 @@ def _graph_mask(backend, forward_batch, bs: int):
 
 
 def _draft_tokens(backend, forward_batch) -> int:
-    spec = forward_batch.spec_info
-    n = getattr(spec, "draft_token_num", None) if spec is not None else None
-    return int(n) if n is not None else int(backend.num_draft_tokens)
+    return compat.verify_tokens_per_req(backend, forward_batch.spec_info)
 
 
 def _is_verify(forward_batch) -> bool:

@@ -1,11 +1,18 @@
 """The server's startup check: every reason this plugin would refuse the server, found once, in the launching
 process, before any model is built or weight read.
 
-  * ``sglang.srt.server_args.ServerArgs.__post_init__`` (AFTER) -- SGLang loads plugins before it builds its
-    ServerArgs, so this runs when the server's options are parsed: the plugin's options (sglang_ext.settings), the
-    hooks SGLang could not apply, and for an EAGLE3 server with a local draft (or one in the Hugging Face cache) the
-    whole (target, draft) pair -- configs, weight names and shapes (safetensors headers), the aux layers, tensor
-    parallelism, the attention backends, the draft KV dtype. One ConfigError carries everything found.
+  * SGLang 0.5.17 - 0.5.20: ``sglang.srt.server_args.ServerArgs.__post_init__`` (AFTER) -- SGLang loads plugins
+    before it builds its ServerArgs, and resolves them in ``__post_init__``, so this runs when the server's options
+    are parsed.
+  * SGLang 0.5.21+: ``sglang.srt.server_args.ServerArgs.resolve_once`` (AFTER) -- ServerArgs is a msgspec Struct
+    whose ``__post_init__`` does nothing (a hook on it would never run); resolution is ``resolve_once``, which the
+    launcher, the Engine and every process that publishes its config call. The check runs once per record (a mark
+    that travels with it to the child processes) and reads the values as resolved (compat.resolved).
+
+It checks the plugin's options (sglang_ext.settings), the SGLang release and the hooks SGLang could not apply, and
+for an EAGLE3 server with a local draft (or one in the Hugging Face cache) the whole (target, draft) pair -- configs,
+weight names and shapes (safetensors headers), the aux layers, tensor parallelism, the attention backends, the draft
+KV dtype. One ConfigError carries everything found.
 
 Where the draft is not readable yet (a hub id to be downloaded), the capture hook (serving/aux_capture.py) resolves
 and checks the aux layers when the target loads.
@@ -18,7 +25,7 @@ import logging
 from sglang_ext import checkpoint, settings
 from sglang_ext.config import Eagle3DraftConfig, TargetConfig, kv, pair, resolve_with_errors
 from sglang_ext.errors import ConfigError, combined
-from sglang_ext.serving import hooks
+from sglang_ext.serving import compat, hooks
 from sglang_ext.serving.context import local_dir
 from sglang_ext.serving.hooks import Hook
 
@@ -28,9 +35,17 @@ logger = logging.getLogger(__name__)
 def attention_tp(args) -> int:
     """Ranks an attention layer's heads are split over (tp / dp under DP attention)."""
     tp = int(getattr(args, "tp_size", 1) or 1)
-    if getattr(args, "enable_dp_attention", False):
-        tp = max(1, tp // int(getattr(args, "dp_size", 1) or 1))
-    return tp
+    dp = compat.attention_dp_size(args)
+    return max(1, tp // dp) if dp > 1 else tp
+
+
+def draft_kv_dtype(args, s: settings.Settings) -> tuple[str | None, list[ConfigError]]:
+    """(the draft's KV cache dtype, None: the target's; the refusal of an option that contradicts SGLang's own flag
+    of that name, SGLang 0.5.18+)."""
+    try:
+        return compat.draft_kv_dtype(s, args), []
+    except ConfigError as e:
+        return s.draft_kv_dtype, [e]
 
 
 def pair_problems(args, s: settings.Settings) -> tuple[list[ConfigError], list[str]]:
@@ -56,7 +71,7 @@ def pair_problems(args, s: settings.Settings) -> tuple[list[ConfigError], list[s
     errors += backend_errors
     target_kv = kv.target_kv_dtype(getattr(args, "kv_cache_dtype", None))
     if kv.TARGET_KV_DTYPES[target_kv] is not None:
-        errors += kv.kv_dtype_errors(draft, s.draft_kv_dtype, target_kv)
+        errors += kv.kv_dtype_errors(draft, draft_kv_dtype(args, s)[0], target_kv)
     _, plan_errors = resolve_with_errors(target, draft, s.aux_layers, checkpoint.fc_in_features(shapes))
     return errors + plan_errors, warnings
 
@@ -70,6 +85,7 @@ def option_problems(args, s: settings.Settings) -> tuple[list[ConfigError], list
     if s.draft_kv_dtype is not None and not spec:
         warnings.append(f"{settings.BY_ATTR['draft_kv_cache_dtype'].flag} {s.draft_kv_cache_dtype} has no effect "
                         "without --speculative-algorithm")
+    errors += draft_kv_dtype(args, s)[1]
     if s.feature_dir:
         from sglang_ext.serving import feature_capture
 
@@ -99,5 +115,20 @@ def post_init_after(result, self, *args, **kwargs):
     return result
 
 
-HOOKS = (Hook("sglang.srt.server_args.ServerArgs.__post_init__", "after", post_init_after,
-              feature="the startup check"),)
+CHECKED = "_sglang_ext_checked"  # resolution bookkeeping on the record (0.5.21+ lets an underscore name be set)
+
+
+def resolve_once_after(result, self, *args, **kwargs):
+    if getattr(self, CHECKED, False):  # resolved before (it returns early then), or a child process's copy
+        return result
+    setattr(self, CHECKED, True)
+    validate(compat.resolved(self))
+    return result
+
+
+HOOKS = (
+    Hook(compat.STARTUP_SYMBOL_LEGACY, "after", post_init_after, releases=hooks.releases(until="0.5.20"), gate=True,
+         feature="the startup check"),
+    Hook(compat.STARTUP_SYMBOL, "after", resolve_once_after, releases=hooks.releases(since="0.5.21"), gate=True,
+         feature="the startup check"),
+)

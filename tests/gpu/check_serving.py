@@ -208,6 +208,12 @@ def arm_args(name: str) -> list[str]:
             + (["--attention-backend", "triton"] if name in TRITON_ONLY else []))
 
 
+def accepted_drafts(meta: dict) -> int:
+    """A response's accepted drafts: `spec_accepted_drafts` through SGLang 0.5.18, `spec_num_correct_drafts` (the
+    same count under the name kept from 0.5.21 on) after."""
+    return meta.get("spec_accepted_drafts", meta.get("spec_num_correct_drafts", 0))
+
+
 def same_prompts_acceptance(srv: Server, head: str) -> dict | None:
     """The head's own acceptance estimate (reference decoder, written by train_draft) re-measured by the
     server on the same prompts, greedy, same token budget."""
@@ -230,7 +236,7 @@ def same_prompts_acceptance(srv: Server, head: str) -> dict | None:
         outs = list(pool.map(lambda p: srv.post("/generate", {"input_ids": p, "sampling_params": sp}), ps))
     return same_prompts_row([{"output_ids": o.get("output_ids") or [],
                               "verify_steps": o["meta_info"].get("spec_verify_ct", 0),
-                              "accepted_drafts": o["meta_info"].get("spec_accepted_drafts", 0)} for o in outs],
+                              "accepted_drafts": accepted_drafts(o["meta_info"])} for o in outs],
                             acc, tok.eos_token_id)
 
 
@@ -374,9 +380,9 @@ def _minus(view, base):
 def accounting(rows: list[dict], srv: Server, log: str, base: dict) -> dict:
     metas = [r["meta"] for r in rows]
     inv_fail = [i for i, m in enumerate(metas)
-                if m.get("spec_verify_ct") and m["completion_tokens"] != m["spec_accepted_drafts"] + m["spec_verify_ct"] + 1]
+                if m.get("spec_verify_ct") and m["completion_tokens"] != accepted_drafts(m) + m["spec_verify_ct"] + 1]
     steps = sum(m.get("spec_verify_ct", 0) for m in metas)
-    accepted = sum(m.get("spec_accepted_drafts", 0) for m in metas)
+    accepted = sum(accepted_drafts(m) for m in metas)
     positions = [0, 0, 0]
     for m in metas:
         for i, c in enumerate(m.get("spec_position_accepted", [])[:3]):
@@ -514,8 +520,8 @@ def evaluate(name: str, srv: Server, state: dict, t_start: float) -> dict:
             row["vs_target"] = compare(state[ref_key], rows)
         row["upstream_invariant_failures"] = sum(
             1 for m in metas if m.get("spec_verify_ct") and m["completion_tokens"] !=
-            m.get("spec_accepted_drafts", 0) + m["spec_verify_ct"] + 1)
-        row["accepted_drafts_per_step"] = (sum(m.get("spec_accepted_drafts", 0) for m in metas) /
+            accepted_drafts(m) + m["spec_verify_ct"] + 1)
+        row["accepted_drafts_per_step"] = (sum(accepted_drafts(m) for m in metas) /
                                            max(1, sum(m.get("spec_verify_ct", 0) for m in metas)))
         row["passed"] = True
         return row

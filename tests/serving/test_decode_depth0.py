@@ -65,7 +65,10 @@ def make_worker(runner, steps=0):
     draft_runner = types.SimpleNamespace(
         spec_algorithm=types.SimpleNamespace(is_standalone=lambda: False),
         model_config=types.SimpleNamespace(spec_hidden_size=HIDDEN, dtype=torch.bfloat16))
-    worker._draft_worker = types.SimpleNamespace(draft_runner=draft_runner)
+    # the draft's TP placement: SGLang 0.5.17 - 0.5.22 enter it through the worker's draft_tp_context (set by the
+    # tests that run the draft extend), 0.5.23 through spec_utils.draft_tp_context(parallel_layout): none here
+    worker._draft_worker = types.SimpleNamespace(draft_runner=draft_runner, draft_owns_attention=False,
+                                                 parallel_layout=types.SimpleNamespace(tp_group=None, disable_cp=False))
     return worker
 
 
@@ -129,7 +132,7 @@ def test_with_the_draft_extend_on_the_step_captures_hidden_states_for_it(policy_
     monkeypatch.delenv("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND")
     worker, batch = make_worker(plain_runner()), make_batch()
     extended = []
-    worker._draft_worker.draft_tp_context = lambda group: _null()
+    worker._draft_worker.draft_tp_context = lambda group, **kw: _null()
     worker._draft_worker.draft_runner.tp_group = None
     worker._draft_worker._draft_extend_for_decode = lambda b, r: extended.append((b.out_cache_loc.clone(), r))
     result = decode_depth0.forward_batch_generation(upstream_path, worker, batch)
@@ -157,7 +160,7 @@ def test_the_draft_extend_runs_at_depth0_only_before_a_probe(policy_on, monkeypa
     worker.adaptive_controller = types.SimpleNamespace(params=params,
                                                        activate_step_by_batch=lambda bs: None)
     extended = []
-    worker._draft_worker.draft_tp_context = lambda group: _null()
+    worker._draft_worker.draft_tp_context = lambda group, **kw: _null()
     worker._draft_worker.draft_runner.tp_group = None
     worker._draft_worker._draft_extend_for_decode = lambda b, r: extended.append(r)
     result = decode_depth0.forward_batch_generation(upstream_path, worker, batch)

@@ -1,5 +1,6 @@
-"""The hook tables: every serving module declares its hooks as data, each names an upstream symbol SGLang 0.5.17
-has, and the opt-in ones are registered only with their option."""
+"""The hook tables: every serving module declares its hooks as data, each hook for the installed SGLang names an
+upstream symbol it has, the opt-in ones are registered only with their option, and a release outside the supported
+range is refused."""
 
 import pytest
 
@@ -13,11 +14,29 @@ def test_every_declared_hook_names_a_real_sglang_symbol():
     seen = set()
     for h in hooks.all_hooks():
         assert h.kind in ("around", "before", "after"), h
-        assert hooks.resolves(h.target), f"{h.target} is not in this SGLang"
         assert h.feature, f"{h.target}: say what breaks without it"
         assert (h.target, h.kind, h.fn) not in seen, f"{h.target} declared twice"
         seen.add((h.target, h.kind, h.fn))
-        assert hooks.sglang_version() in h.releases
+        assert h.releases and set(h.releases) <= set(hooks.SUPPORTED_RELEASES), h
+    assert hooks.supported(), f"SGLang {hooks.sglang_version()} is not in {hooks.SUPPORTED_RELEASES}"
+    for h in hooks.release_hooks():  # the hooks for the installed release
+        assert hooks.resolves(h.target), f"{h.target} is not in this SGLang"
+        assert h.covers(hooks.sglang_version())
+
+
+def test_each_release_gets_one_startup_check_and_an_unsupported_one_is_refused(monkeypatch):
+    from sglang_ext.serving import compat, startup
+
+    for release in hooks.SUPPORTED_RELEASES:
+        gates = [h.target.rsplit(".", 1)[1] for h in hooks.release_hooks(release) if h.gate]
+        assert gates == (["__post_init__"] if compat.parse(release) <= compat.parse("0.5.20") else ["resolve_once"])
+        assert len(hooks.release_hooks(release)) == len(hooks.release_hooks(hooks.SUPPORTED_RELEASES[0]))
+    # outside the range: only the startup check (whichever spelling the release has), which refuses the server
+    assert {h.fn for h in hooks.release_hooks("0.5.24")} == {h.fn for h in startup.HOOKS}
+    assert hooks.supported("0.5.23.post1") and not hooks.supported("0.5.16") and not hooks.supported("?")
+    monkeypatch.setattr(compat, "version", lambda: "0.5.24")
+    (e,) = hooks.missing_symbols(settings.Settings(), is_applied=lambda target: True)
+    assert e.field == "sglang" and e.value == "0.5.24" and "0.5.17 - 0.5.23" in e.problem
 
 
 @pytest.mark.parametrize("options,extra", [

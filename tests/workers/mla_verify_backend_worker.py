@@ -1,5 +1,7 @@
 """Run under TRITON_INTERPRET=1 by tests/serving/test_mla_verify.py (argument `tree` for a draft tree, else a
-chain; `deterministic`: SGLang's deterministic mode, verify rows against plain decode rows bit for bit): SGLang 0.5.17's own TritonAttnBackend methods on a target-verify batch of an MLA layer, on the CPU -- upstream's path
+chain; `deterministic`: SGLang's deterministic mode, verify rows against plain decode rows bit for bit): the
+installed SGLang's own TritonAttnBackend methods (0.5.17; from 0.5.21 with what their __init__ and forward batch
+also carry) on a target-verify batch of an MLA layer, on the CPU -- upstream's path
 (`init_forward_metadata` + `forward_extend`: the extend kernel) against the plugin's hooks
 (sglang_ext.serving.mla_verify: the same methods, then `forward_decode`: the grouped decode kernel),
 both eager and through the CUDA-graph metadata path (`init_cuda_graph_state`,
@@ -26,7 +28,14 @@ from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.speculative.eagle_utils import TreeMaskMode  # noqa: E402
 
-from sglang_ext.serving import mla_verify  # noqa: E402
+from sglang_ext.serving import compat, mla_verify  # noqa: E402
+
+if compat.at_least("0.5.21"):
+    # SGLang 0.5.21+ reads the parallel topology from the runtime context, which a server publishes; this process
+    # states the one the pools and the backend run in here (one rank, no context parallelism)
+    from sglang.srt.runtime_context import get_parallel  # noqa: E402
+
+    get_parallel().override_permanently(dcp_enabled=False, attn_dcp_size=1)
 
 TREE = "tree" in sys.argv[1:]  # else a chain
 DETERMINISTIC = "deterministic" in sys.argv[1:]  # --enable-deterministic-inference: KV splits by a fixed tile
@@ -57,6 +66,23 @@ k_new = torch.randn(bs * n, 1, LK)
 v_new = k_new[..., :LV].clone()  # MLA: the value is the latent part of the key
 
 
+TRANSLATOR = None  # SGLang 0.5.21+: the model runner's KV index translator (passthrough: a plain pool)
+if compat.at_least("0.5.21"):
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator  # noqa: E402
+
+    TRANSLATOR = KVIndexTranslator(req_to_token=req_to_token, token_to_kv_pool_allocator=None,
+                                   token_to_kv_pool=kv_pool, page_size=1, device="cpu")
+
+
+def planned(fb):
+    """SGLang 0.5.23+: a forward batch carries its KV location plan (its own, as a forward that is its own iteration)."""
+    if TRANSLATOR is not None and hasattr(TRANSLATOR, "own_plan"):
+        TRANSLATOR.own_plan(fb).bind(fb, TRANSLATOR)
+        fb.mha_one_shot, fb.attn_attend_prefix_cache = False, False  # no dense one-shot MLA prefill here
+        fb.extend_seq_lens_cpu = getattr(fb, "extend_seq_lens_cpu", None)
+    return fb
+
+
 def backend() -> TritonAttnBackend:
     be = TritonAttnBackend.__new__(TritonAttnBackend)
     torch.nn.Module.__init__(be) if isinstance(be, torch.nn.Module) else None
@@ -72,6 +98,13 @@ def backend() -> TritonAttnBackend:
         window_kv_indptr=None, qo_indptr=torch.zeros(max_bs + 1, dtype=torch.int64),
         mask_indptr=torch.zeros(max_bs + 1, dtype=torch.int64), forward_metadata=None, _verify_mask=None,
         is_draft_runner=False)
+    if TRANSLATOR is not None:  # what SGLang 0.5.21+'s __init__ also sets
+        be.__dict__.update(
+            kv_index_translator=TRANSLATOR,
+            target_verify_num_tokens_per_req=n, dllm_block_size=None, dllm_attention=None,
+            enable_lean_attention=False, use_verify_shared_kv=False, is_hip_dspark_draft=False,
+            _dense_one_shot_kv_indptr=None, use_dense_fp8_chunked_prefill=False, prepare_chunked_prefill_qkv=None,
+            pack_prefix_chunk_kv=None, lean_total_programs=1, lean_block_m=1)  # lean decode: off, tiny buffers
     return be
 
 
@@ -81,11 +114,13 @@ def batch():
     draft = torch.ones(n, n, dtype=torch.bool).tril() if not TREE else torch.tensor(
         [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     mask = torch.cat([torch.cat([torch.ones(n, int(p), dtype=torch.bool), draft], dim=1).reshape(-1) for p in prefix])
-    spec = types.SimpleNamespace(draft_token_num=n, custom_mask=mask, kv_indptr=None)
-    return types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, spec_info=spec, batch_size=bs,
-                                 req_pool_indices=req_pool_indices, seq_lens=prefix, seq_lens_sum=int(prefix.sum()),
-                                 seq_lens_cpu=prefix, out_cache_loc=out_cache_loc, encoder_lens=None,
-                                 extend_prefix_lens=None, extend_seq_lens=None)
+    spec = types.SimpleNamespace(draft_token_num=n, custom_mask=mask, kv_indptr=None,
+                                 num_tokens_per_req=-1)  # SGLang 0.5.21+: nonpositive -> the captured width
+    return planned(types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, spec_info=spec, batch_size=bs,
+                                         req_pool_indices=req_pool_indices, seq_lens=prefix,
+                                         seq_lens_sum=int(prefix.sum()), seq_lens_cpu=prefix,
+                                         out_cache_loc=out_cache_loc, encoder_lens=None, extend_prefix_lens=None,
+                                         extend_seq_lens=None))
 
 
 def run(be, fb, use_graph_path: bool):
@@ -110,10 +145,10 @@ if DETERMINISTIC:
     worst = 0.0
     for i in range(n):
         rows = torch.arange(bs) * n + i
-        fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, spec_info=None, batch_size=bs,
-                                   req_pool_indices=req_pool_indices, seq_lens=prefix + i + 1,
-                                   seq_lens_sum=int((prefix + i + 1).sum()), seq_lens_cpu=prefix + i + 1,
-                                   out_cache_loc=out_cache_loc[rows], encoder_lens=None)
+        fb = planned(types.SimpleNamespace(forward_mode=ForwardMode.DECODE, spec_info=None, batch_size=bs,
+                                           req_pool_indices=req_pool_indices, seq_lens=prefix + i + 1,
+                                           seq_lens_sum=int((prefix + i + 1).sum()), seq_lens_cpu=prefix + i + 1,
+                                           out_cache_loc=out_cache_loc[rows], encoder_lens=None))
         dec = backend()
         dec.init_forward_metadata(fb)
         plain = dec.forward_decode(q[rows].clone(), k_new[rows].clone(), v_new[rows].clone(), layer, fb, True)
