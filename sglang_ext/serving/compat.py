@@ -158,15 +158,20 @@ def create_flashinfer_kv_indices_triton():
     """SGLang's Triton kernel that fills flashinfer-style KV index lists from req_to_token.
     0.5.17 - 0.5.21: ``sglang.kernels.ops.kvcache.kv_indices``.
     0.5.23: moved to ``sglang.kernels.ops.attention.kv_indices`` (0.5.22: whichever is there)."""
+    return _moved("create_flashinfer_kv_indices_triton", "sglang.kernels.ops.kvcache.kv_indices",
+                  "sglang.kernels.ops.attention.kv_indices", since="0.5.22")
+
+
+def _moved(name: str, old_module: str, new_module: str, since: str):
+    """`name` from the module it lives in on the running release (`new_module` from `since` on), else from the other
+    one (a release between those read)."""
     import importlib
 
-    paths = ["sglang.kernels.ops.kvcache.kv_indices", "sglang.kernels.ops.attention.kv_indices"]
-    if at_least("0.5.22"):
-        paths.reverse()
+    paths = [new_module, old_module] if at_least(since) else [old_module, new_module]
     try:
-        return importlib.import_module(paths[0]).create_flashinfer_kv_indices_triton
+        return getattr(importlib.import_module(paths[0]), name)
     except ModuleNotFoundError:
-        return importlib.import_module(paths[1]).create_flashinfer_kv_indices_triton
+        return getattr(importlib.import_module(paths[1]), name)
 
 
 def draft_tp_context(draft_worker):
@@ -265,12 +270,5 @@ def config_argument_merger():
     """SGLang's ``--config`` YAML merger class.
     0.5.17 - 0.5.20: ``sglang.srt.server_args_config_parser``.
     0.5.21+: moved to ``sglang.srt.utils.server_args_config_parser``."""
-    import importlib
-
-    paths = ["sglang.srt.server_args_config_parser", "sglang.srt.utils.server_args_config_parser"]
-    if at_least("0.5.21"):
-        paths.reverse()
-    try:
-        return importlib.import_module(paths[0]).ConfigArgumentMerger
-    except ModuleNotFoundError:
-        return importlib.import_module(paths[1]).ConfigArgumentMerger
+    return _moved("ConfigArgumentMerger", "sglang.srt.server_args_config_parser",
+                  "sglang.srt.utils.server_args_config_parser", since="0.5.21")
