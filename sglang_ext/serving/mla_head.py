@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import logging
 
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear
+from sglang.srt.model_loader.weight_utils import default_weight_loader
+from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA, DeepseekV2MLP
+from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
+from sglang.srt.utils import add_prefix
 from torch import nn
 
 from sglang_ext.config.weights import WeightMap
-from sglang.srt.layers.layernorm import RMSNorm
-from sglang.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear
-from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA, DeepseekV2MLP
-from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
-from sglang.srt.model_loader.weight_utils import default_weight_loader
-from sglang.srt.utils import add_prefix
+from sglang_ext.serving import compat
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def init_plain_q(self, config, layer_id: int = 0, quant_config=None, prefix: str
     # Eagle3 feeds concat(input_layernorm(embed), hidden_norm(h)): twice the hidden width
     attn.q_proj = ColumnParallelLinear(
         2 * config.hidden_size, attn.num_heads * attn.qk_head_dim, bias=False, quant_config=quant_config,
-        prefix=add_prefix("self_attn.q_proj", prefix), tp_rank=attn.q_proj.tp_rank, tp_size=attn.q_proj.tp_size)
+        prefix=add_prefix("self_attn.q_proj", prefix), **compat.same_ranks_as(attn.q_proj))
     attn.kv_a_proj_with_mqa = ReplicatedLinear(
         2 * config.hidden_size, attn.kv_lora_rank + attn.qk_rope_head_dim, bias=False,
         quant_config=quant_config, prefix=add_prefix("self_attn.kv_a_proj_with_mqa", prefix))

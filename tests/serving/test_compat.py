@@ -205,3 +205,22 @@ def test_the_draft_pool_budget_reads_sglangs_draft_kv_dtype_and_leaves_fused_ent
     release("0.5.23")
     fused.append(4096)
     assert sized() == 1125  # the draft's KV inside the target's entries: SGLang's size
+
+
+def test_the_mla_heads_q_proj_goes_on_its_predecessors_ranks_in_the_installed_releases_terms():
+    """serving/mla_head.py replaces upstream's q_proj with a twice-as-wide one on the same ranks: the keywords must
+    be ones the installed ColumnParallelLinear takes (0.5.23 dropped tp_rank/tp_size for parallel_group; the MLA
+    head failed to build there before this lookup), and they must carry the existing layer's placement."""
+    import inspect
+
+    from sglang.srt.layers.linear import ColumnParallelLinear
+
+    accepted = inspect.signature(ColumnParallelLinear.__init__).parameters
+    like = types.SimpleNamespace(tp_rank=1, tp_size=2, parallel_group="attn_tp")
+    kwargs = compat.same_ranks_as(like)
+    assert kwargs and set(kwargs) <= set(accepted)
+    assert kwargs in ({"tp_rank": 1, "tp_size": 2}, {"parallel_group": "attn_tp"})
+    # a layer built without naming a group is upstream's MLA attention-TP one
+    if "parallel_group" in accepted:
+        assert compat.same_ranks_as(types.SimpleNamespace(parallel_group=None)) == {"parallel_group": "attn_tp"}
+
