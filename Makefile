@@ -27,8 +27,8 @@ install:  ## create $(VENV) (.venv) and install the package with SGLang $(SGLANG
 install-newest:  ## the same with SGLang $(SGLANG_NEWEST) (its own torch and transformers) in .venv-sglang-$(SGLANG_NEWEST)
 	$(MAKE) install VENV=$(NEWEST_VENV) SGLANG=$(SGLANG_NEWEST)
 
-test-newest:  ## the tests that depend on the SGLang release (tests/serving, tests/config) against SGLang $(SGLANG_NEWEST)
-	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/serving tests/config
+test-newest:  ## against SGLang $(SGLANG_NEWEST): tests/serving + tests/config, the fast ones and those that read what the release does
+	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow or release" tests/serving tests/config
 
 test:  ## the whole CPU test suite (what CI runs)
 	$(PY) -m pytest -q

@@ -149,11 +149,26 @@ SLOW_SERVING_TESTS = {
 }
 
 
+# Of those, the ones that read what an SGLang release itself does (its plugin loader, ServerArgs resolution, model
+# registry, flag parser, scheduler hooks, the accounting on its request objects): `make test-newest` runs them
+# with the fast tests against the newest supported release (`-m "not slow or release"`).
+RELEASE_TESTS = {
+    "test_plugin_patches_targets_in_a_fresh_interpreter",
+    "test_sglangs_own_server_args_run_the_startup_check",
+    "test_mla_head_architectures_resolve_to_our_class_and_mla_shapes",
+    "test_hooks_name_real_sglang_symbols_and_register_only_with_the_policy",
+    "test_real_requests_that_stop_inside_an_accepted_run",
+    "test_flags_in_help_and_config_yaml_reach_the_environment",
+}
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 
     for item in items:
         if item.path.parent.name != "serving":
             continue
+        if getattr(item, "originalname", item.name) in RELEASE_TESTS:
+            item.add_marker(pytest.mark.release)
         if item.path.name in SLOW_SERVING_MODULES or getattr(item, "originalname", item.name) in SLOW_SERVING_TESTS:
             item.add_marker(pytest.mark.slow)

@@ -464,3 +464,63 @@ def test_pack_heads_and_unpack_heads_commands(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     p = run("unpack-heads", str(tmp_path / "out2" / "heads"), PIPE_ROOT=str(tmp_path / "both"))
     assert p.returncode == 0 and "servecheck/head-mha, servecheck/head-mla" in p.stdout
+
+
+TRAFFIC = """
+import argparse, json, sys
+sys.path.insert(0, "tests/gpu")
+import check_traffic as T, serverlib
+from sglang.srt.server_args import ServerArgs
+p = argparse.ArgumentParser()
+ServerArgs.add_cli_args(p)
+out = {}
+for name in T.ARMS:
+    for soak in (False, True):
+        a = p.parse_args(serverlib.launch_args() + T.arm_args(name, soak))
+        out[f"{name}{'-soak' if soak else ''}"] = [a.speculative_algorithm, a.speculative_eagle_topk, a.enable_metrics,
+            a.max_running_requests, a.chunked_prefill_size, a.speculative_adaptive]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_traffic_check_command_lines_parse():
+    """check_traffic.py's servers, parsed by the installed SGLang's ServerArgs: every arm speculates with metrics on;
+    the soak adds a running limit of 128 under 256 clients, chunked prefill and the protection."""
+    p = subprocess.run([sys.executable, "-c", TRAFFIC], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, GPU_CHECK_WORK="/tmp/gpu-script-check"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["mha-chain"] == ["EAGLE3", 1, True, 64, r["mha-chain"][4], False]
+    assert r["mla-tree"][:3] == ["EAGLE3", 4, True]
+    assert r["mha-chain-protected"][5] is True
+    assert all(v[3] == 128 and v[4] == 4096 and v[5] is True for k, v in r.items() if k.endswith("-soak"))
+
+
+def test_traffic_check_judges_responses_streams_and_constrained_output():
+    sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+    import check_traffic as T
+
+    # the invariant, with the counter name of either release
+    assert T.invariant_holds({"completion_tokens": 7, "spec_verify_ct": 3, "spec_accepted_drafts": 3})
+    assert T.invariant_holds({"completion_tokens": 7, "spec_verify_ct": 3, "spec_num_correct_drafts": 3})
+    assert not T.invariant_holds({"completion_tokens": 8, "spec_verify_ct": 3, "spec_num_correct_drafts": 3})
+    assert T.invariant_holds({"completion_tokens": 1, "spec_verify_ct": 0})  # finished at prefill: nothing to hold
+    assert T.sums([{"spec_verify_ct": 2, "spec_accepted_drafts": 1}, {"spec_verify_ct": 3, "spec_num_correct_drafts": 2}]
+                  ) == {"requests": 2, "verify_steps": 5, "accepted_drafts": 3}
+    # SGLang's event stream: data lines up to [DONE], other lines ignored
+    body = [b'data: {"text": "a", "meta_info": {}}\n', b"\n", b": keep-alive\n", b'data: {"text": "ab"}\n',
+            b"data: [DONE]\n", b'data: {"text": "never"}\n']
+    assert [e["text"] for e in T.parse_sse(body)] == ["a", "ab"]
+    # constrained output: the grammar satisfied, or cut by the length limit on the way there
+    assert T.constrained_ok("json", '{"answer": 4, "unit": "apples"}', {"type": "stop"})
+    assert not T.constrained_ok("json", '{"answer": "4", "unit": "apples"}', {"type": "stop"})
+    assert not T.constrained_ok("json", '{"answer": 4', {"type": "stop"})
+    assert T.constrained_ok("json", '{"answer": 4', {"type": "length", "length": 48})
+    assert T.constrained_ok("regex", "yes, because apples", None) and not T.constrained_ok("regex", "maybe", None)
+    # a table cell: refusals and failures named, an output that breaks the option is a failure
+    assert T.status_of([{"metas": []}, {"metas": [], "output_ok": True}]) == "works"
+    assert T.status_of([{"refused": "HTTP 400: n > 1 is not supported with speculative decoding"}]).startswith(
+        "refused: HTTP 400")
+    assert T.status_of([{"error": "RemoteDisconnected: closed"}]).startswith("failed: RemoteDisconnected")
+    assert T.status_of([{"metas": [], "output_ok": False}]) == "failed: output does not satisfy the option"

@@ -1,0 +1,441 @@
+"""GPU check: speculation under the traffic users send -- every request option, aborts and disconnects, and a soak.
+
+Uses check_serving's tiny DeepseekV3 target and its two trained heads (built and trained on first use, in
+GPU_CHECK_WORK). For each arm (head x drafting shape; the backend is SGLang's choice unless
+GPU_CHECK_ATTENTION_BACKEND names one) one server is started with `--enable-metrics`, and three parts run:
+
+1. `options`: each request option of `/generate` and `/v1/chat/completions` on 16 prompts, 16 in flight: stop
+   strings, stop token ids, `n` = 2, logprobs (top 2), JSON schema and regex constrained output (xgrammar),
+   `ignore_eos`, streaming. Per option: works / refused (SGLang's reason) / failed (the error), the invariant
+   completion_tokens = accepted drafts + verify steps + 1 on every response, what the output must satisfy (stops
+   where asked, parses against the schema, matches the regex, the streamed text equals the unstreamed one), and the
+   server's ledger moving by exactly the responses' sums; in deterministic mode (GPU_TRAFFIC_DETERMINISTIC, default 1)
+   the logprobs against the target alone's, token by token.
+2. `aborts`: at 1 and at 64 in flight, streams closed by the client after a few chunks and requests aborted by
+   `/abort_request`; afterwards the server must still answer, the ledger must count each finished request once and
+   each aborted one as aborted (never in the acceptance counters), and the KV pool must be back at its idle usage
+   (`sglang:num_used_tokens` read from /metrics before and after; SGLang's own idle leak check would also stop
+   the server).
+3. `soak` (GPU_TRAFFIC_SOAK_S seconds, default 600): 256 clients against `--max-running-requests 128`, prompt lengths
+   mixed up to GPU_TRAFFIC_MAX_PROMPT tokens (chunked prefill), 30% of prompts sharing a cached prefix, greedy and
+   sampled requests mixed, the cost protection on (capped below the target's context): per minute output tokens/s, GPU memory and pool usage; at the end
+   every response's invariant and /metrics equal to the sum of meta_info.
+
+Writes $OUT/traffic.json and prints a table per part.
+
+    PYTHONPATH=/tmp/site:. python -P tests/gpu/check_traffic.py [PART ...] [--arms ARM,...]   (default: options aborts)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import http.client
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import check_serving as CS  # noqa: E402
+from serverlib import Server, port  # noqa: E402
+
+from sglang_ext.eval.bench import sse_events  # noqa: E402
+
+OUT = os.environ.get("OUT", "/tmp")
+ARMS = {  # name: (head, drafting args, extra server args, env)
+    "mha-chain": ("mha", CS.CHAIN, [], {}),
+    "mla-chain": ("mla", CS.CHAIN, [], {}),
+    "mha-tree": ("mha", CS.TREE, [], {}),
+    "mla-tree": ("mla", CS.TREE, [], {}),
+    "mha-chain-protected": ("mha", CS.CHAIN + ["--speculative-adaptive"], [], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"}),
+}
+SOAK_ARGS = ["--max-running-requests", "128", "--chunked-prefill-size", "4096", "--speculative-adaptive"]
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"type": "string"}},
+          "required": ["answer", "unit"]}
+REGEX = r"(yes|no), because [a-z]+"
+
+
+# ------------------------------------------------------------------------------------------------- per response
+def invariant_holds(meta: dict) -> bool:
+    """completion_tokens = accepted drafts + verify steps + 1 (a response without verify steps has nothing to hold)."""
+    steps = meta.get("spec_verify_ct") or 0
+    return steps == 0 or meta["completion_tokens"] == CS.accepted_drafts(meta) + steps + 1
+
+
+def sums(metas: list[dict]) -> dict:
+    return {"requests": len(metas), "verify_steps": sum(m.get("spec_verify_ct") or 0 for m in metas),
+            "accepted_drafts": sum(CS.accepted_drafts(m) for m in metas)}
+
+
+def ledger(srv: Server) -> dict:
+    info = json.loads(srv.get("/get_server_info"))
+    d = (info.get("internal_states") or [{}])[0].get("sglang_ext_acceptance", {})
+    return {"requests": d.get("finished_requests", 0), "verify_steps": d.get("verify_steps", 0),
+            "accepted_drafts": d.get("accepted_drafts", 0), "aborted": d.get("aborted_requests", 0)}
+
+
+def used_tokens(srv: Server) -> float | None:
+    m = re.search(r"^sglang:num_used_tokens\{[^}]*\} ([-\d.e+]+)", srv.get("/metrics"), re.MULTILINE)
+    return float(m.group(1)) if m else None
+
+
+def moved(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def parse_sse(lines) -> list[dict]:
+    """The JSON events of a `text/event-stream` body (eval/bench.py's reader)."""
+    return list(sse_events(lines))
+
+
+def constrained_ok(kind: str, text: str, finish: dict | None) -> bool:
+    """A constrained output is right when it satisfies its grammar, or stopped at the length limit on the way."""
+    if finish and finish.get("type") == "length":
+        return True
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and isinstance(value.get("answer"), int) and isinstance(value.get("unit"), str)
+
+
+def status_of(results: list[dict]) -> str:
+    """works | refused (SGLang answered 4xx with a reason) | failed (an error or a wrong output)."""
+    if any(r.get("refused") for r in results):
+        return "refused: " + next(r["refused"] for r in results if r.get("refused"))[:120]
+    if any(r.get("error") for r in results):
+        return "failed: " + next(r["error"] for r in results if r.get("error"))[:120]
+    if not all(r.get("output_ok", True) for r in results):
+        return "failed: output does not satisfy the option"
+    return "works"
+
+
+# ------------------------------------------------------------------------------------------------- requests
+def post(srv: Server, path: str, payload: dict, timeout: float = 300) -> tuple[int, object]:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=timeout)
+    conn.request("POST", path, json.dumps(payload), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    body = r.read()
+    conn.close()
+    try:
+        return r.status, json.loads(body)
+    except ValueError:
+        return r.status, body.decode(errors="replace")
+
+
+def generate(srv: Server, ids: list[int], sp: dict, **extra) -> dict:
+    code, body = post(srv, "/generate", {"input_ids": ids, "sampling_params": sp, **extra})
+    if code >= 400:
+        return {"refused": f"HTTP {code}: {body}"}
+    outs = body if isinstance(body, list) else [body]
+    return {"outs": outs, "metas": [o["meta_info"] for o in outs]}
+
+
+def option_requests(tokenizer) -> dict:
+    """name -> (function(srv, prompt ids) -> result dict). Each result: metas (the responses' meta_info), and
+    output_ok where the option states what the output must be."""
+    frequent = tokenizer.encode(" the", add_special_tokens=False)[-1]
+
+    def stop_string(srv, ids):
+        r = generate(srv, ids, {"temperature": 0, "max_new_tokens": 64, "stop": [" the"]})
+        if "outs" in r:
+            r["output_ok"] = all(" the" not in o["text"] for o in r["outs"])
+        return r
+
+    def stop_token_ids(srv, ids):
+        r = generate(srv, ids, {"temperature": 0, "max_new_tokens": 64, "stop_token_ids": [frequent]})
+        if "outs" in r:
+            r["output_ok"] = all(frequent not in (o.get("output_ids") or [])[:-1] for o in r["outs"])
+        return r
+
+    def n2(srv, ids):
+        r = generate(srv, ids, {"temperature": 0.8, "max_new_tokens": 48, "n": 2})
+        if "outs" in r:
+            r["output_ok"] = len(r["outs"]) == 2
+        return r
+
+    def logprobs(srv, ids):
+        r = generate(srv, ids, {"temperature": 0, "max_new_tokens": 32}, return_logprob=True, top_logprobs_num=2)
+        if "outs" in r:
+            m = r["metas"][0]
+            r["output_ok"] = len(m.get("output_token_logprobs") or []) == m["completion_tokens"]
+            r["logprobs"] = [t[0] for t in m.get("output_token_logprobs") or []]
+        return r
+
+    def constrained(kind):
+        def run(srv, ids):
+            key = {"json": "json_schema", "regex": "regex"}[kind]
+            value = json.dumps(SCHEMA) if kind == "json" else REGEX
+            r = generate(srv, ids, {"temperature": 0, "max_new_tokens": 48, key: value})
+            if "outs" in r:
+                r["output_ok"] = all(constrained_ok(kind, o["text"], o["meta_info"].get("finish_reason"))
+                                     for o in r["outs"])
+            return r
+        return run
+
+    def ignore_eos(srv, ids):
+        r = generate(srv, ids, {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True})
+        if "outs" in r:
+            r["output_ok"] = all(m["completion_tokens"] == 64 for m in r["metas"])
+        return r
+
+    def stream(srv, ids):
+        sp = {"temperature": 0, "max_new_tokens": 48}
+        plain = generate(srv, ids, sp)
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=300)
+        conn.request("POST", "/generate", json.dumps({"input_ids": ids, "sampling_params": sp, "stream": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status >= 400:
+            return {"refused": f"HTTP {resp.status}: {resp.read()[:200]!r}"}
+        events = parse_sse(resp)
+        conn.close()
+        last = events[-1]
+        return {"metas": [last["meta_info"]], "output_ok": "outs" in plain and last["text"] == plain["outs"][0]["text"]}
+
+    def chat(srv, ids):
+        text = tokenizer.decode(ids, skip_special_tokens=True)[-400:]
+        code, body = post(srv, "/v1/chat/completions", {
+            "model": "default", "messages": [{"role": "user", "content": text}], "max_tokens": 32,
+            "temperature": 0, "n": 2, "logprobs": True, "top_logprobs": 2, "stop": ["\n\n"]})
+        if code >= 400:
+            return {"refused": f"HTTP {code}: {body}"}
+        choices = body.get("choices", [])
+        return {"metas": [], "output_ok": len(choices) == 2 and all(c["message"]["content"] is not None for c in choices)}
+
+    return {"stop-string": stop_string, "stop-token-ids": stop_token_ids, "n-2": n2, "logprobs": logprobs,
+            "json-schema": constrained("json"), "regex": constrained("regex"), "ignore-eos": ignore_eos,
+            "stream": stream, "chat-n2-logprobs-stop": chat}
+
+
+# ------------------------------------------------------------------------------------------------- the parts
+def part_options(srv: Server, prompts: list[list[int]], tokenizer, reference: list[dict] | None = None) -> dict:
+    """`reference`: the target alone's results of the logprobs option (deterministic mode), compared per token."""
+    table = {}
+    for name, fn in option_requests(tokenizer).items():
+        before = ledger(srv)
+        with cf.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda ids, fn=fn: _safe(fn, srv, ids), prompts[:16]))
+        time.sleep(1)
+        metas = [m for r in results for m in r.get("metas", [])]
+        d = moved(before, ledger(srv))
+        table[name] = {"status": status_of(results), "responses": len(metas),
+                       "invariant_failures": sum(not invariant_holds(m) for m in metas),
+                       # the chat route's responses carry no meta_info: the ledger's move is all there is
+                       "ledger_equals_responses": (None if name.startswith("chat") else
+                                                   {k: d[k] for k in ("requests", "verify_steps", "accepted_drafts")}
+                                                   == sums(metas)),
+                       "ledger_moved": d}
+        if name == "logprobs" and reference is not None:
+            table[name]["versus_target"] = logprob_agreement(results, reference)
+    return table
+
+
+def logprob_agreement(results: list[dict], reference: list[dict]) -> dict:
+    """Per prompt: the same tokens, and the largest |logprob difference| over them (0.0 when bit-equal)."""
+    same, gaps = 0, []
+    for got, ref in zip(results, reference):
+        a, b = got.get("outs"), ref.get("outs")
+        if not a or not b:
+            continue
+        if a[0].get("output_ids") == b[0].get("output_ids"):
+            same += 1
+            gaps.append(max((abs(x - y) for x, y in zip(got["logprobs"], ref["logprobs"])), default=0.0))
+    return {"same_tokens": same, "of": len(reference), "max_logprob_difference": max(gaps, default=None)}
+
+
+def _safe(fn, srv, ids):
+    try:
+        return fn(srv, ids)
+    except Exception as e:  # noqa: BLE001 -- a failure is a row of the table
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def part_aborts(srv: Server, prompts: list[list[int]]) -> dict:
+    out = {}
+    idle = used_tokens(srv)
+    for in_flight in (1, 64):
+        before = ledger(srv)
+        batch = [prompts[i % len(prompts)] for i in range(in_flight)]
+        rids = [f"abort-{in_flight}-{i}" for i in range(in_flight)]
+
+        def disconnect(i, batch=batch, rids=rids):
+            """Half the streams are closed by the client after 3 chunks; the rest aborted by rid."""
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=300)
+            sp = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
+            conn.request("POST", "/generate", json.dumps({"input_ids": batch[i], "sampling_params": sp,
+                                                          "stream": True, "rid": rids[i]}),
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            for _ in range(3):
+                resp.readline()
+            if i % 2:
+                post(srv, "/abort_request", {"rid": rids[i]})
+                events = parse_sse(resp)
+                conn.close()
+                return events[-1]["meta_info"] if events else None
+            conn.close()  # the client goes away mid-stream
+            return None
+
+        with cf.ThreadPoolExecutor(in_flight) as pool:
+            finished = [m for m in pool.map(disconnect, range(in_flight)) if m is not None
+                        and (m.get("finish_reason") or {}).get("type") != "abort"]
+        deadline = time.time() + 60
+        while time.time() < deadline and used_tokens(srv) not in (idle, None):
+            time.sleep(1)
+        d = moved(before, ledger(srv))
+        alive = generate(srv, prompts[0], {"temperature": 0, "max_new_tokens": 8})
+        out[f"in_flight_{in_flight}"] = {
+            "requests": in_flight, "finished_anyway": len(finished), "ledger_moved": d,
+            "counted_once": d["requests"] == len(finished) and d["requests"] + d["aborted"] == in_flight,
+            "idle_used_tokens": [idle, used_tokens(srv)],
+            "pool_back_to_idle": None if idle is None else used_tokens(srv) == idle,
+            "serves_after": "outs" in alive and invariant_holds(alive["metas"][0])}
+    return out
+
+
+def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt: int) -> dict:
+    rng = random.Random(0)
+    shared = [rng.randrange(1, 400) for _ in range(min(2048, max_prompt // 2))]
+    stop_at = time.time() + seconds
+    minutes: dict[int, dict] = {}
+    metas: list[dict] = []
+    t0 = time.time()
+
+    def client(k):
+        r = random.Random(k)
+        while time.time() < stop_at:
+            n = min(max_prompt, int(r.paretovariate(1.2) * 64))
+            base = prompts[r.randrange(len(prompts))]
+            ids = (shared + base)[:max(n, len(base))] if r.random() < 0.3 else (base * (n // len(base) + 1))[:n]
+            sp = ({"temperature": 0} if r.random() < 0.5 else {"temperature": 0.8, "top_p": 0.95})
+            sp["max_new_tokens"] = r.choice([16, 64, 256])
+            res = _safe(lambda s, i, sp=sp: generate(s, i, sp), srv, ids)
+            minute = int((time.time() - t0) // 60)
+            row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
+            if "metas" in res:
+                metas.extend(res["metas"])
+                row["tokens"] += sum(m["completion_tokens"] for m in res["metas"])
+            else:
+                row["errors"] += 1
+
+    def sample():
+        while time.time() < stop_at:
+            minute = int((time.time() - t0) // 60)
+            row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
+            row["gpu_mib"] = gpu_memory_mib()
+            row["used_tokens"] = used_tokens(srv)
+            time.sleep(20)
+
+    before = ledger(srv)
+    with cf.ThreadPoolExecutor(257) as pool:
+        futures = [pool.submit(client, k) for k in range(256)] + [pool.submit(sample)]
+        for f in futures:
+            f.result()
+    time.sleep(2)
+    d = moved(before, ledger(srv))
+    per_min = [minutes[m]["tokens"] / 60 for m in sorted(minutes) if m < seconds // 60]
+    return {"minutes": minutes, "responses": len(metas),
+            "invariant_failures": sum(not invariant_holds(m) for m in metas),
+            "ledger_equals_responses": {k: d[k] for k in ("requests", "verify_steps", "accepted_drafts")} == sums(metas),
+            "throughput_spread": (max(per_min) - min(per_min)) / max(per_min) if len(per_min) > 1 else None,
+            "gpu_mib_first_last": [minutes[min(minutes)].get("gpu_mib"), minutes[max(minutes)].get("gpu_mib")]}
+
+
+def gpu_memory_mib() -> int | None:
+    try:
+        return int(subprocess.check_output(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                           text=True).split()[0])
+    except Exception:  # noqa: BLE001
+        return None
+
+
+DETERMINISTIC = os.environ.get("GPU_TRAFFIC_DETERMINISTIC", "1") == "1"  # logprobs compared with the target alone's
+
+
+def arm_args(name: str, soak: bool = False) -> list[str]:
+    head, drafting, extra, _env = (None, [], [], {}) if name == "target" else ARMS[name]
+    args = CS.server_args(head, drafting) + extra
+    if DETERMINISTIC and not soak:
+        args.append("--enable-deterministic-inference")
+    if soak:
+        args += SOAK_ARGS  # later flags win: the running limit of 128 replaces check_serving's 64
+    return args
+
+
+def main():
+    argv = sys.argv[1:]
+    arms = list(ARMS)
+    if "--arms" in argv:
+        i = argv.index("--arms")
+        arms, argv = argv[i + 1].split(","), argv[:i] + argv[i + 2:]
+    parts = argv or ["options", "aborts"]
+    unknown = [a for a in arms if a not in ARMS] + [p for p in parts if p not in ("options", "aborts", "soak")]
+    if unknown:
+        raise SystemExit(f"unknown arm(s) or part(s) {unknown}; arms: {list(ARMS)}; parts: options aborts soak")
+    os.makedirs(CS.WORK, exist_ok=True)
+    state_path = f"{CS.WORK}/state.json"  # check_serving's: the same target, prompts and heads
+    state = json.load(open(state_path)) if os.path.exists(state_path) else {}
+    if "prompts" not in state or not os.path.exists(f"{CS.WORK}/target/model.safetensors"):
+        state["prompts"] = CS.build()
+        json.dump(state, open(state_path, "w"))
+    prompts = state["prompts"]
+    context = json.load(open(f"{CS.WORK}/target/config.json")).get("max_position_embeddings", 4096)
+    max_prompt = min(int(os.environ.get("GPU_TRAFFIC_MAX_PROMPT", "32768")), context - 512)
+    trainer = CS.train_heads()
+    if trainer is not None and trainer.wait() != 0:
+        raise SystemExit(open(f"{CS.WORK}/train.log").read()[-3000:])
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(f"{CS.WORK}/target")
+    report = {}
+    reference = None
+    if DETERMINISTIC and "options" in parts and "soak" not in parts:  # a soak server runs SGLang's defaults
+        with Server("traffic-target", arm_args("target"), {}, port_number=port()) as srv:
+            if srv.wait_ready(400):
+                fn = option_requests(tokenizer)["logprobs"]
+                reference = [_safe(fn, srv, ids) for ids in prompts[:16]]
+    for name in arms:
+        CS.prepare_head(ARMS[name][0])
+        soak = "soak" in parts
+        with Server(f"traffic-{name}", arm_args(name, soak), ARMS[name][3], port_number=port()) as srv:
+            if not srv.wait_ready(400):
+                report[name] = {"started": False, "error": srv.last_error()}
+                continue
+            row = report[name] = {"started": True}
+            if "options" in parts:
+                row["options"] = part_options(srv, prompts, tokenizer, reference)
+            if "aborts" in parts:
+                row["aborts"] = part_aborts(srv, prompts)
+            if soak:
+                row["soak"] = part_soak(srv, prompts, float(os.environ.get("GPU_TRAFFIC_SOAK_S", "600")), max_prompt)
+        print(json.dumps({name: row}, indent=1, default=str), flush=True)
+        json.dump(report, open(os.path.join(OUT, "traffic.json"), "w"), indent=1, default=str)
+    print_tables(report)
+
+
+def print_tables(report: dict) -> None:
+    options = sorted({o for r in report.values() for o in r.get("options", {})})
+    if options:
+        print("| option | " + " | ".join(report) + " |\n|---|" + "---|" * len(report))
+        for o in options:
+            cells = []
+            for r in report.values():
+                c = r.get("options", {}).get(o)
+                cells.append("-" if c is None else f"{c['status']}; invariant failures {c['invariant_failures']}; "
+                             f"ledger {'=' if c['ledger_equals_responses'] in (True, None) else '!='}")
+            print(f"| {o} | " + " | ".join(cells) + " |")
+    for name, r in report.items():
+        for k, v in (r.get("aborts") or {}).items():
+            print(f"{name} aborts {k}: counted once {v['counted_once']}, pool back to idle {v['pool_back_to_idle']}, "
+                  f"serves after {v['serves_after']}")
+
+
+if __name__ == "__main__":
+    main()
