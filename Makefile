@@ -16,7 +16,7 @@ EVAL_OUT ?= out/eval-gsm8k
 # the newest supported SGLang, in a venv of its own (CI runs the release-dependent tests against it)
 NEWEST_VENV = .venv-sglang-$(SGLANG_NEWEST)
 
-.PHONY: install install-newest test-newest test test-fast demo serve inspect train-draft scale-target eval-gsm8k bench
+.PHONY: install install-newest install-newest-sglang test-newest test test-fast demo serve inspect train-draft scale-target eval-gsm8k bench
 
 install:  ## create $(VENV) (.venv) and install the package with SGLang $(SGLANG) (default 0.5.17) and the test tools
 	python3 -m venv $(VENV)
@@ -26,6 +26,11 @@ install:  ## create $(VENV) (.venv) and install the package with SGLang $(SGLANG
 
 install-newest:  ## the same with SGLang $(SGLANG_NEWEST) (its own torch and transformers) in .venv-sglang-$(SGLANG_NEWEST)
 	$(MAKE) install VENV=$(NEWEST_VENV) SGLANG=$(SGLANG_NEWEST)
+
+install-newest-sglang:  ## SGLang $(SGLANG_NEWEST) alone into .venv-sglang-$(SGLANG_NEWEST) (no build in the checkout: CI runs it beside make install)
+	python3 -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/pip install -q --upgrade pip
+	$(NEWEST_VENV)/bin/pip install -q 'sglang==$(SGLANG_NEWEST)'
 
 test-newest:  ## against SGLang $(SGLANG_NEWEST): tests/serving + tests/config, the fast ones and those that read what the release does
 	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow or release" tests/serving tests/config
