@@ -168,7 +168,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.parent.name != "serving":
             continue
-        if getattr(item, "originalname", item.name) in RELEASE_TESTS:
+        name = getattr(item, "originalname", item.name)
+        if name in RELEASE_TESTS:
             item.add_marker(pytest.mark.release)
-        if item.path.name in SLOW_SERVING_MODULES or getattr(item, "originalname", item.name) in SLOW_SERVING_TESTS:
+        if item.path.name in SLOW_SERVING_MODULES or name in SLOW_SERVING_TESTS:
             item.add_marker(pytest.mark.slow)
