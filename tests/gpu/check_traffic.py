@@ -197,7 +197,9 @@ def option_requests(tokenizer) -> dict:
         events = parse_sse(resp)
         conn.close()
         last = events[-1]
-        return {"metas": [last["meta_info"]], "output_ok": "outs" in plain and last["text"] == plain["outs"][0]["text"]}
+        # both requests move the ledger: the unstreamed one's meta_info is summed too
+        return {"metas": plain.get("metas", []) + [last["meta_info"]],
+                "output_ok": "outs" in plain and last["text"] == plain["outs"][0]["text"]}
 
     def chat(srv, ids):
         text = tokenizer.decode(ids, skip_special_tokens=True)[-400:]
