@@ -19,7 +19,7 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
 
 
 def deepseek_v3_config(num_layers=4, hidden=256, heads=4, vocab=512, moe_layers=1, q_lora_rank=96,
-                       kv_lora_rank=64, qk_nope=32, qk_rope=16, v_head=32, init_std=0.02, **kw):
+                       kv_lora_rank=64, qk_nope=32, qk_rope=16, v_head=32, init_std=0.02, context=2048, **kw):
     from transformers import DeepseekV3Config
 
     dense = num_layers - moe_layers
@@ -31,7 +31,7 @@ def deepseek_v3_config(num_layers=4, hidden=256, heads=4, vocab=512, moe_layers=
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=heads,
         n_group=1, topk_group=1, first_k_dense_replace=dense, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
-        qk_nope_head_dim=qk_nope, qk_rope_head_dim=qk_rope, v_head_dim=v_head, max_position_embeddings=2048,
+        qk_nope_head_dim=qk_nope, qk_rope_head_dim=qk_rope, v_head_dim=v_head, max_position_embeddings=context,
         initializer_range=init_std, tie_word_embeddings=False, architectures=["DeepseekV3ForCausalLM"],
         bos_token_id=0, eos_token_id=2, pad_token_id=0, **kw)
 

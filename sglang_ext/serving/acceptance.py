@@ -179,6 +179,10 @@ def update_finish_state(original_fn, self, *args, **kwargs):
     if _aborted(self):
         ledger().add_aborted()
         return out
+    if getattr(self.sampling_params, "max_new_tokens", None) == 0:
+        # SGLang's own prefix-caching request before an n > 1 request's samples: no client receives it, so no
+        # view counts it (the samples are the requests)
+        return out
     if self.spec_verify_ct <= 0:  # finished in prefill (or speculation off): no verify step
         if getattr(_server_args(), "speculative_algorithm", None):
             ledger().add_request([], 0)

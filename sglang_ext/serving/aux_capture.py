@@ -108,19 +108,34 @@ def _wrap_forward(inner, capture_final: bool, dump_dir: str | None, family: str,
             out = (hidden, aux)
         if feature_dir and isinstance(out, tuple):  # the inner model's output is the final norm's
             feature_capture.write_batch(feature_dir, forward_batch, input_ids, out[1], out[0])
-        if dump_dir and dumped[0] < dump_max and isinstance(out, tuple):
-            if _dump(dump_dir, dumped[0], input_ids, positions, forward_batch, out[1]):
+        if dump_dir and dumped[0] < dump_max:
+            if not isinstance(out, tuple):
+                _skip(f"the model returned {type(out).__name__}, no aux states")
+            elif _dump(dump_dir, dumped[0], input_ids, positions, forward_batch, out[1]):
                 dumped[0] += 1
         return out
 
     inner.forward = forward
 
 
+_DUMP_SKIPS_LOGGED: set[str] = set()
+
+
+def _skip(reason: str) -> bool:
+    """The first batch skipped for each reason is logged: a debug dump that writes nothing says why."""
+    if reason not in _DUMP_SKIPS_LOGGED:
+        _DUMP_SKIPS_LOGGED.add(reason)
+        logger.info("[sglang_ext] aux dump: a batch not written (%s); only prefill batches are", reason)
+    return False
+
+
 def _dump(dump_dir, index, input_ids, positions, forward_batch, aux) -> bool:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    if forward_batch.forward_mode != ForwardMode.EXTEND or torch.cuda.is_current_stream_capturing():
-        return False
+    if forward_batch.forward_mode != ForwardMode.EXTEND:
+        return _skip(f"forward mode {forward_batch.forward_mode.name}")
+    if torch.cuda.is_current_stream_capturing():
+        return _skip("CUDA graph capture")
     try:
         from sglang.srt.distributed import get_tensor_model_parallel_rank
 
@@ -138,6 +153,9 @@ def _dump(dump_dir, index, input_ids, positions, forward_batch, aux) -> bool:
                "positions": positions.detach().cpu().contiguous(),
                "aux_hidden_states": aux.detach().float().cpu().contiguous()},
               os.path.join(dump_dir, f"aux-{index:03d}.safetensors"))
+    if index == 0:
+        logger.info("[sglang_ext] aux dump: first prefill batch written to %s (%d tokens)", dump_dir,
+                    input_ids.shape[0])
     return True
 
 

@@ -50,6 +50,8 @@ N_PROMPTS = int(os.environ.get("N_PROMPTS", "200"))
 # parting measurable below one bf16 step (a trained target's logits are ~10-30, where bf16 steps are 0.06-0.125)
 EXTRA_ARGS = os.environ.get("GPU_CHECK_EXTRA_ARGS", "").split()
 CONCURRENCY = 64
+# the tiny target's context: room for the 32k-token prompts of tests/gpu/check_traffic.py's soak (chunked prefill)
+TARGET_CONTEXT = 40960
 CHAIN = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
 TREE = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"]
 FP8 = {"SGLANG_EXT_DRAFT_KV_CACHE_DTYPE": "fp8_e4m3"}
@@ -137,7 +139,7 @@ def build():
 
     cfg = tiny.deepseek_v3_config(num_layers=8, moe_layers=1, hidden=512, heads=8, vocab=512, q_lora_rank=256,
                                   kv_lora_rank=512, qk_nope=128, qk_rope=64, v_head=128, init_std=0.05,
-                                  n_routed_experts=8)
+                                  n_routed_experts=8, context=TARGET_CONTEXT)
     target = tiny.build_target(cfg, seed=0)
     tok = tiny.train_tokenizer(512)
     tiny.save_target(target, tok, f"{WORK}/target")
@@ -480,6 +482,19 @@ def reference_arm(name: str) -> str:
     return next(a for a in ARMS if ARMS[a][0] is None and reference_key(a) == key)
 
 
+def target_noise_floor(state: dict, name: str) -> int | None:
+    """The partings beyond near-ties of the target alone against itself (one request at a time vs CONCURRENCY in
+    flight) on this arm's reference server; None when that arm has not run."""
+    row = state.get("results", {}).get(reference_arm(name), {})
+    return (row.get("batch_noise_floor") or {}).get("other_partings")
+
+
+def arm_passes(accounting_ok: bool, floor: int | None, other_partings: int) -> bool:
+    """Accounting always; greedy equality (no parting beyond a near-tie) unless the target's own floor has such
+    partings (a floor not measured asks it too)."""
+    return accounting_ok and (bool(floor) or other_partings == 0)
+
+
 def evaluate(name: str, srv: Server, state: dict, t_start: float) -> dict:
     """One arm's server, already started: its checks (module docstring)."""
     head, drafting, env, refuse, max_new = ARMS[name]
@@ -544,7 +559,13 @@ def evaluate(name: str, srv: Server, state: dict, t_start: float) -> dict:
         if up is not None and name == "mha-chain":
             row["identical_to_upstream"] = sum(a == b for a, b in zip(up, [r["ids"] for r in rows]))
         row["accounting_passed"] = accounting_ok
-        row["passed"] = accounting_ok and row["vs_target"]["other_partings"] == 0
+        floor = target_noise_floor(state, name)
+        row["target_noise_floor_other_partings"] = floor
+        # greedy equality is asked where the target alone is batch-invariant (its own floor has no partings beyond
+        # near-ties: Triton, deterministic mode); elsewhere (FA3's default kernels) the partings are reported
+        # beside the floor, which speculation cannot be held to
+        row["greedy_equality_asked"] = not floor
+        row["passed"] = arm_passes(accounting_ok, floor, row["vs_target"]["other_partings"])
         if EXTERNAL_TARGET:
             row["same_prompts"] = same_prompts_acceptance(srv, head)
             gsm_out = os.environ.get("GPU_CHECK_GSM8K_OUT")
@@ -652,14 +673,14 @@ def main():
               f"{OUT}/state/head-$h/ 2>/dev/null; done")
     os.system(f"cp {WORK}/train.log {OUT}/ 2>/dev/null; mkdir -p {OUT}/logs; "
               f"for f in /tmp/gpu-logs/serve-*.log; do tail -c 200000 $f > {OUT}/logs/$(basename $f); done")
-    print(f"\nbackend {tag}\narm                                  backend  acct-ok  identical near-tie other(max gap)  "
+    print(f"\nbackend {tag}\narm                                  backend  pass   acct-ok  identical near-tie other(max gap)  "
           "same-as-upstream  invariant-fail  views-agree  acc/step  draft B/tok  start_s  same prompts: "
           "server/reference (2 se)")
     for name, r in results.items():
         v = r.get("vs_target", {})
         other = f"{v.get('other_partings', '-')}({v.get('other_gaps_max')})" if v else "-"
         print(f"{name:<37}{str(r.get('attention_backend_resolved', r.get('attention_backend', '?')))[:8]:<9}"
-              f"{str(r.get('accounting_passed', r.get('passed'))):<9}{v.get('identical', '-'):<10}"
+              f"{str(r.get('passed')):<7}{str(r.get('accounting_passed', r.get('passed'))):<9}{v.get('identical', '-'):<10}"
               f"{v.get('near_tie_partings', '-'):<9}{other:<15}{r.get('identical_to_upstream', '-'):<18}"
               f"{r.get('invariant_failures', r.get('upstream_invariant_failures', '-')):<16}"
               f"{str(r.get('all_views_agree', '-')):<13}{r.get('accepted_drafts_per_step', 0):<10.3f}"

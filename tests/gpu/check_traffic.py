@@ -2,7 +2,8 @@
 
 Uses check_serving's tiny DeepseekV3 target and its two trained heads (built and trained on first use, in
 GPU_CHECK_WORK). For each arm (head x drafting shape; the backend is SGLang's choice unless
-GPU_CHECK_ATTENTION_BACKEND names one) one server is started with `--enable-metrics`, and three parts run:
+GPU_CHECK_ATTENTION_BACKEND names one) one server is started with `--enable-metrics`, the arms' servers side by
+side (GPU_CHECK_MAX_TOTAL_TOKENS caps each one's pool), and three parts run:
 
 1. `options`: each request option of `/generate` and `/v1/chat/completions` on 16 prompts, 16 in flight: stop
    strings, stop token ids, `n` = 2, logprobs (top 2), JSON schema and regex constrained output (xgrammar),
@@ -17,9 +18,10 @@ GPU_CHECK_ATTENTION_BACKEND names one) one server is started with `--enable-metr
    (`sglang:num_used_tokens` read from /metrics before and after; SGLang's own idle leak check would also stop
    the server).
 3. `soak` (GPU_TRAFFIC_SOAK_S seconds, default 600): 256 clients against `--max-running-requests 128`, prompt lengths
-   mixed up to GPU_TRAFFIC_MAX_PROMPT tokens (chunked prefill), 30% of prompts sharing a cached prefix, greedy and
-   sampled requests mixed, the cost protection on (capped below the target's context): per minute output tokens/s, GPU memory and pool usage; at the end
-   every response's invariant and /metrics equal to the sum of meta_info.
+   mixed up to GPU_TRAFFIC_MAX_PROMPT tokens (default 32768, capped below the target's context; chunked prefill),
+   30% of prompts sharing a cached prefix, greedy and sampled requests mixed, the cost protection on: per minute
+   output tokens/s, GPU memory and pool usage; at the end every response's invariant, and the ledger and /metrics
+   each equal to the sum of meta_info.
 
 Writes $OUT/traffic.json and prints a table per part.
 
@@ -53,7 +55,9 @@ ARMS = {  # name: (head, drafting args, extra server args, env)
     "mla-tree": ("mla", CS.TREE, [], {}),
     "mha-chain-protected": ("mha", CS.CHAIN + ["--speculative-adaptive"], [], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"}),
 }
+# the soak serves with the protection on whatever the arm (the cost policy may drop drafting at large batches)
 SOAK_ARGS = ["--max-running-requests", "128", "--chunked-prefill-size", "4096", "--speculative-adaptive"]
+SOAK_ENV = {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"}
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"type": "string"}},
           "required": ["answer", "unit"]}
 REGEX = r"(yes|no), because [a-z]+"
@@ -78,9 +82,14 @@ def ledger(srv: Server) -> dict:
             "accepted_drafts": d.get("accepted_drafts", 0), "aborted": d.get("aborted_requests", 0)}
 
 
-def used_tokens(srv: Server) -> float | None:
-    m = re.search(r"^sglang:num_used_tokens\{[^}]*\} ([-\d.e+]+)", srv.get("/metrics"), re.MULTILINE)
+def gauge(metrics_text: str, name: str) -> float | None:
+    """An SGLang gauge from /metrics text (its first series)."""
+    m = re.search(rf"^sglang:{name}\{{[^}}]*\}} ([-\d.e+]+)", metrics_text, re.MULTILINE)
     return float(m.group(1)) if m else None
+
+
+def used_tokens(srv: Server) -> float | None:
+    return gauge(srv.get("/metrics"), "num_used_tokens")
 
 
 def moved(before: dict, after: dict) -> dict:
@@ -233,7 +242,7 @@ def part_options(srv: Server, prompts: list[list[int]], tokenizer, reference: li
                        "ledger_equals_responses": (None if name.startswith("chat") else
                                                    {k: d[k] for k in ("requests", "verify_steps", "accepted_drafts")}
                                                    == sums(metas)),
-                       "ledger_moved": d}
+                       "ledger_moved": d, "responses_sum": sums(metas)}
         if name == "logprobs" and reference is not None:
             table[name]["versus_target"] = logprob_agreement(results, reference)
     return table
@@ -259,10 +268,22 @@ def _safe(fn, srv, ids):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def settled_used_tokens(srv: Server, seconds: float) -> float | None:
+    """`sglang:num_used_tokens` once it reads 0 (a pool holding no request: the radix cache's evictable tokens are
+    not counted), or its last value after `seconds`. The gauge is published with each batch and again when the
+    scheduler goes idle (at most 30 s later), so a reading right after traffic may be the last batch's."""
+    deadline = time.time() + seconds
+    value = used_tokens(srv)
+    while value not in (0, None) and time.time() < deadline:
+        time.sleep(1)
+        value = used_tokens(srv)
+    return value
+
+
 def part_aborts(srv: Server, prompts: list[list[int]]) -> dict:
     out = {}
-    idle = used_tokens(srv)
     for in_flight in (1, 64):
+        idle = settled_used_tokens(srv, 40)
         before = ledger(srv)
         batch = [prompts[i % len(prompts)] for i in range(in_flight)]
         rids = [f"abort-{in_flight}-{i}" for i in range(in_flight)]
@@ -288,16 +309,14 @@ def part_aborts(srv: Server, prompts: list[list[int]]) -> dict:
         with cf.ThreadPoolExecutor(in_flight) as pool:
             finished = [m for m in pool.map(disconnect, range(in_flight)) if m is not None
                         and (m.get("finish_reason") or {}).get("type") != "abort"]
-        deadline = time.time() + 60
-        while time.time() < deadline and used_tokens(srv) not in (idle, None):
-            time.sleep(1)
+        after = settled_used_tokens(srv, 75)
         d = moved(before, ledger(srv))
         alive = generate(srv, prompts[0], {"temperature": 0, "max_new_tokens": 8})
         out[f"in_flight_{in_flight}"] = {
             "requests": in_flight, "finished_anyway": len(finished), "ledger_moved": d,
             "counted_once": d["requests"] == len(finished) and d["requests"] + d["aborted"] == in_flight,
-            "idle_used_tokens": [idle, used_tokens(srv)],
-            "pool_back_to_idle": None if idle is None else used_tokens(srv) == idle,
+            "used_tokens_before_after": [idle, after],
+            "pool_back_to_idle": None if after is None else after == 0,
             "serves_after": "outs" in alive and invariant_holds(alive["metas"][0])}
     return out
 
@@ -308,6 +327,7 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
     stop_at = time.time() + seconds
     minutes: dict[int, dict] = {}
     metas: list[dict] = []
+    first_response: list[float] = []
     t0 = time.time()
 
     def client(k):
@@ -319,6 +339,7 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
             sp = ({"temperature": 0} if r.random() < 0.5 else {"temperature": 0.8, "top_p": 0.95})
             sp["max_new_tokens"] = r.choice([16, 64, 256])
             res = _safe(lambda s, i, sp=sp: generate(s, i, sp), srv, ids)
+            first_response.append(time.time() - t0)
             minute = int((time.time() - t0) // 60)
             row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
             if "metas" in res:
@@ -332,22 +353,40 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
             minute = int((time.time() - t0) // 60)
             row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
             row["gpu_mib"] = gpu_memory_mib()
-            row["used_tokens"] = used_tokens(srv)
+            text = srv.get("/metrics")
+            row["used_tokens"] = gauge(text, "num_used_tokens")
+            # running vs queued tells a stalled scheduler (requests held, none finishing) from a slow one
+            row.setdefault("running_queued", []).append([gauge(text, "num_running_reqs"),
+                                                         gauge(text, "num_queue_reqs")])
             time.sleep(20)
 
-    before = ledger(srv)
+    before, prom_before = ledger(srv), prometheus(srv)
     with cf.ThreadPoolExecutor(257) as pool:
         futures = [pool.submit(client, k) for k in range(256)] + [pool.submit(sample)]
         for f in futures:
             f.result()
     time.sleep(2)
-    d = moved(before, ledger(srv))
-    per_min = [minutes[m]["tokens"] / 60 for m in sorted(minutes) if m < seconds // 60]
-    return {"minutes": minutes, "responses": len(metas),
-            "invariant_failures": sum(not invariant_holds(m) for m in metas),
-            "ledger_equals_responses": {k: d[k] for k in ("requests", "verify_steps", "accepted_drafts")} == sums(metas),
+    d, prom = moved(before, ledger(srv)), moved(prom_before, prometheus(srv))
+    keys = ("requests", "verify_steps", "accepted_drafts")
+    full = [m for m in sorted(minutes) if m < seconds // 60]  # whole minutes: the last one is cut by the stop
+    per_min = [minutes[m]["tokens"] / 60 for m in full]
+    return {"minutes": minutes, "responses": len(metas), "sums": sums(metas),
+            "first_response_s": round(min(first_response), 1) if first_response else None, "ledger_moved": d,
+            "metrics_moved": prom, "invariant_failures": sum(not invariant_holds(m) for m in metas),
+            "ledger_equals_responses": {k: d[k] for k in keys} == sums(metas),
+            "metrics_equal_responses": {k: prom[k] for k in keys} == sums(metas),
+            "errors": sum(r.get("errors", 0) for r in minutes.values()),
+            "output_tokens_per_s_per_minute": [round(x, 1) for x in per_min],
             "throughput_spread": (max(per_min) - min(per_min)) / max(per_min) if len(per_min) > 1 else None,
-            "gpu_mib_first_last": [minutes[min(minutes)].get("gpu_mib"), minutes[max(minutes)].get("gpu_mib")]}
+            "gpu_mib_first_last": [minutes[full[0]].get("gpu_mib"), minutes[full[-1]].get("gpu_mib")] if full else None,
+            "used_tokens_first_last": [minutes[full[0]].get("used_tokens"), minutes[full[-1]].get("used_tokens")]
+            if full else None}
+
+
+def prometheus(srv: Server) -> dict:
+    """The plugin's acceptance counters on /metrics (check_serving's reader)."""
+    m = CS.metrics_counters(srv.get("/metrics"))
+    return {k: m.get(k, 0.0) for k in ("requests", "verify_steps", "accepted_drafts")}
 
 
 def gpu_memory_mib() -> int | None:
@@ -371,6 +410,20 @@ def arm_args(name: str, soak: bool = False) -> list[str]:
     return args
 
 
+def run_arm(name: str, srv: Server, parts: list[str], prompts: list[list[int]], tokenizer, reference,
+            max_prompt: int) -> dict:
+    if not srv.wait_ready(600):
+        return {"started": False, "error": srv.last_error(), "log_tail": srv.log()[-3000:]}
+    row = {"started": True, "start_s": round(srv.ready_s)}
+    if "options" in parts:
+        row["options"] = part_options(srv, prompts, tokenizer, reference)
+    if "aborts" in parts:
+        row["aborts"] = part_aborts(srv, prompts)
+    if "soak" in parts:
+        row["soak"] = part_soak(srv, prompts, float(os.environ.get("GPU_TRAFFIC_SOAK_S", "600")), max_prompt)
+    return row
+
+
 def main():
     argv = sys.argv[1:]
     arms = list(ARMS)
@@ -390,35 +443,44 @@ def main():
     prompts = state["prompts"]
     context = json.load(open(f"{CS.WORK}/target/config.json")).get("max_position_embeddings", 4096)
     max_prompt = min(int(os.environ.get("GPU_TRAFFIC_MAX_PROMPT", "32768")), context - 512)
+    soak = "soak" in parts
+    # the target alone's logprobs (deterministic mode): its server starts while the heads train
+    target = (Server("traffic-target", arm_args("target"), {}, port_number=port() + len(ARMS))
+              if DETERMINISTIC and "options" in parts and not soak else None)  # a soak server runs SGLang's defaults
     trainer = CS.train_heads()
     if trainer is not None and trainer.wait() != 0:
         raise SystemExit(open(f"{CS.WORK}/train.log").read()[-3000:])
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(f"{CS.WORK}/target")
-    report = {}
-    reference = None
-    if DETERMINISTIC and "options" in parts and "soak" not in parts:  # a soak server runs SGLang's defaults
-        with Server("traffic-target", arm_args("target"), {}, port_number=port()) as srv:
-            if srv.wait_ready(400):
-                fn = option_requests(tokenizer)["logprobs"]
-                reference = [_safe(fn, srv, ids) for ids in prompts[:16]]
     for name in arms:
         CS.prepare_head(ARMS[name][0])
-        soak = "soak" in parts
-        with Server(f"traffic-{name}", arm_args(name, soak), ARMS[name][3], port_number=port()) as srv:
-            if not srv.wait_ready(400):
-                report[name] = {"started": False, "error": srv.last_error()}
-                continue
-            row = report[name] = {"started": True}
-            if "options" in parts:
-                row["options"] = part_options(srv, prompts, tokenizer, reference)
-            if "aborts" in parts:
-                row["aborts"] = part_aborts(srv, prompts)
-            if soak:
-                row["soak"] = part_soak(srv, prompts, float(os.environ.get("GPU_TRAFFIC_SOAK_S", "600")), max_prompt)
-        print(json.dumps({name: row}, indent=1, default=str), flush=True)
-        json.dump(report, open(os.path.join(OUT, "traffic.json"), "w"), indent=1, default=str)
+    # the arms' servers side by side (correctness checks, not timings; GPU_CHECK_MAX_TOTAL_TOKENS caps each pool)
+    servers = {name: Server(f"traffic-{name}", arm_args(name, soak), {**ARMS[name][3], **(SOAK_ENV if soak else {})},
+                            port_number=port() + i)
+               for i, name in enumerate(arms)}
+    report, reference = {}, None
+    try:
+        if target is not None:
+            with target:
+                if target.wait_ready(600):
+                    fn = option_requests(tokenizer)["logprobs"]
+                    reference = [_safe(fn, target, ids) for ids in prompts[:16]]
+                else:
+                    print(f"[traffic] the target alone did not start: {target.last_error()}", flush=True)
+        with cf.ThreadPoolExecutor(len(arms)) as pool:
+            futures = {name: pool.submit(run_arm, name, servers[name], parts, prompts, tokenizer, reference,
+                                         max_prompt) for name in arms}
+            for name, f in futures.items():
+                try:
+                    report[name] = f.result()
+                except Exception as e:  # noqa: BLE001 -- one arm's crash is its row, the others still report
+                    report[name] = {"started": True, "error": f"{type(e).__name__}: {e}"}
+                print(json.dumps({name: report[name]}, indent=1, default=str), flush=True)
+                json.dump(report, open(os.path.join(OUT, "traffic.json"), "w"), indent=1, default=str)
+    finally:
+        for srv in servers.values():
+            srv.stop()
     print_tables(report)
 
 
@@ -434,6 +496,15 @@ def print_tables(report: dict) -> None:
                              f"ledger {'=' if c['ledger_equals_responses'] in (True, None) else '!='}")
             print(f"| {o} | " + " | ".join(cells) + " |")
     for name, r in report.items():
+        if not r.get("started", True) or r.get("error"):
+            print(f"{name}: {r.get('error')}")
+        v = r.get("soak")
+        if v:
+            print(f"{name} soak: {v['responses']} responses, {v['errors']} errors, invariant failures "
+                  f"{v['invariant_failures']}, ledger = responses {v['ledger_equals_responses']}, /metrics = responses "
+                  f"{v['metrics_equal_responses']}, output tok/s per minute {v['output_tokens_per_s_per_minute']} "
+                  f"(spread {v['throughput_spread']}), GPU MiB first/last {v['gpu_mib_first_last']}, used tokens "
+                  f"first/last {v['used_tokens_first_last']}")
         for k, v in (r.get("aborts") or {}).items():
             print(f"{name} aborts {k}: counted once {v['counted_once']}, pool back to idle {v['pool_back_to_idle']}, "
                   f"serves after {v['serves_after']}")

@@ -524,3 +524,24 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
         "refused: HTTP 400")
     assert T.status_of([{"error": "RemoteDisconnected: closed"}]).startswith("failed: RemoteDisconnected")
     assert T.status_of([{"metas": [], "output_ok": False}]) == "failed: output does not satisfy the option"
+    # SGLang's gauges, by name, from /metrics text: the pool's used tokens, running and queued requests
+    text = ('# HELP sglang:num_used_tokens x\nsglang:num_used_tokens{model_name="m",engine_type="unified"} 12.0\n'
+            'sglang:num_running_reqs{model_name="m"} 3\n')
+    assert T.gauge(text, "num_used_tokens") == 12.0 and T.gauge(text, "num_running_reqs") == 3.0
+    assert T.gauge(text, "num_queue_reqs") is None
+
+
+def test_serving_check_asks_greedy_equality_only_where_the_target_is_batch_invariant():
+    sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+    import check_serving as CS
+
+    state = {"results": {"target": {"batch_noise_floor": {"other_partings": 32}},
+                         "target-deterministic": {"batch_noise_floor": {"other_partings": 0}}}}
+    # the default-mode arm is read against the target's floor, the deterministic arm against the deterministic one's
+    assert CS.target_noise_floor(state, "mla-chain") == 32
+    assert CS.target_noise_floor(state, "mla-chain-deterministic") == 0
+    assert CS.target_noise_floor({}, "mla-chain") is None
+    # FA3's default kernels (floor 32): partings are reported, not failed; accounting still decides
+    assert CS.arm_passes(True, 32, 44) and not CS.arm_passes(False, 32, 0)
+    # a batch-invariant target (floor 0) or a floor not measured: one parting beyond a near-tie fails the arm
+    assert not CS.arm_passes(True, 0, 1) and not CS.arm_passes(True, None, 1) and CS.arm_passes(True, 0, 0)

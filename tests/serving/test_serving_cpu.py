@@ -88,6 +88,12 @@ REQ = """
     out = {"length": run([3, 0, 2, 3], 10),
            "eos": run([3, 3], 50, stop=[99], tokens={1: [20, 99, 20, 20]}),
            "exact": run([3, 3], 9), "aborted": run([3, 3, 3], 50, abort_at=1)}
+    # as in an EAGLE3 server's scheduler: a request finished at prefill counts (it answered a client), SGLang's own
+    # prefix-caching request ahead of an n > 1 request's samples (max_new_tokens 0) does not
+    from types import SimpleNamespace
+    acceptance._server_args = lambda: SimpleNamespace(speculative_algorithm="EAGLE3")
+    out["at_prefill"] = run([], 1)
+    out["prefix_for_n"] = run([], 0)
     out["ledger"] = acceptance.ledger().to_dict()
     print("RESULT" + json.dumps(out))
 """
@@ -107,7 +113,8 @@ def test_real_requests_that_stop_inside_an_accepted_run():
     # an aborted request gets no meta_info: it is counted as aborted, and none of its steps in the totals, so that
     # /metrics and /get_server_info still equal the sum of what the clients received
     assert r["aborted"][0] is True and led["aborted_requests"] == 1
-    assert led["finished_requests"] == 3 and led["accepted_drafts"] == 5 + 4 + 6 and led["verify_steps"] == 8
+    assert r["at_prefill"][0] is True and r["prefix_for_n"][0] is True
+    assert led["finished_requests"] == 3 + 1 and led["accepted_drafts"] == 5 + 4 + 6 and led["verify_steps"] == 8
     assert led["discarded_drafts"] == 3 + 2
     assert led["histogram_counts"] == [2, 1, 1, 4]
 
