@@ -327,7 +327,7 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
     stop_at = time.time() + seconds
     minutes: dict[int, dict] = {}
     metas: list[dict] = []
-    first_response: list[float] = []
+    first_response: list[float] = []  # the first finished request's time, set once
     t0 = time.time()
 
     def client(k):
@@ -339,7 +339,8 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
             sp = ({"temperature": 0} if r.random() < 0.5 else {"temperature": 0.8, "top_p": 0.95})
             sp["max_new_tokens"] = r.choice([16, 64, 256])
             res = _safe(lambda s, i, sp=sp: generate(s, i, sp), srv, ids)
-            first_response.append(time.time() - t0)
+            if not first_response:
+                first_response.append(time.time() - t0)
             minute = int((time.time() - t0) // 60)
             row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
             if "metas" in res:
@@ -371,7 +372,7 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
     full = [m for m in sorted(minutes) if m < seconds // 60]  # whole minutes: the last one is cut by the stop
     per_min = [minutes[m]["tokens"] / 60 for m in full]
     return {"minutes": minutes, "responses": len(metas), "sums": sums(metas),
-            "first_response_s": round(min(first_response), 1) if first_response else None, "ledger_moved": d,
+            "first_response_s": round(first_response[0], 1) if first_response else None, "ledger_moved": d,
             "metrics_moved": prom, "invariant_failures": sum(not invariant_holds(m) for m in metas),
             "ledger_equals_responses": {k: d[k] for k in keys} == sums(metas),
             "metrics_equal_responses": {k: prom[k] for k in keys} == sums(metas),
@@ -381,6 +382,15 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
             "gpu_mib_first_last": [minutes[full[0]].get("gpu_mib"), minutes[full[-1]].get("gpu_mib")] if full else None,
             "used_tokens_first_last": [minutes[full[0]].get("used_tokens"), minutes[full[-1]].get("used_tokens")]
             if full else None}
+
+
+def log_opening(log: str, batches: int = 40) -> list[str]:
+    """The soak's first scheduler batch lines and every warning or error line of its log: what the server did while
+    the first requests were in flight (a first minute without a finished request is read here)."""
+    lines = log.splitlines()
+    first = [x for x in lines if "Prefill batch" in x or "Decode batch" in x][:batches]
+    notable = [x for x in lines if re.search(r"WARNING|Error|error|compil", x)][:40]
+    return first + notable
 
 
 def prometheus(srv: Server) -> dict:
@@ -420,7 +430,9 @@ def run_arm(name: str, srv: Server, parts: list[str], prompts: list[list[int]], 
     if "aborts" in parts:
         row["aborts"] = part_aborts(srv, prompts)
     if "soak" in parts:
+        start = len(srv.log())
         row["soak"] = part_soak(srv, prompts, float(os.environ.get("GPU_TRAFFIC_SOAK_S", "600")), max_prompt)
+        row["soak"]["log_opening"] = log_opening(srv.log()[start:])
     return row
 
 
@@ -449,6 +461,8 @@ def main():
               if DETERMINISTIC and "options" in parts and not soak else None)  # a soak server runs SGLang's defaults
     trainer = CS.train_heads()
     if trainer is not None and trainer.wait() != 0:
+        if target is not None:
+            target.stop()
         raise SystemExit(open(f"{CS.WORK}/train.log").read()[-3000:])
     from transformers import AutoTokenizer
 

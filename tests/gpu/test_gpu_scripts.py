@@ -529,6 +529,9 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
             'sglang:num_running_reqs{model_name="m"} 3\n')
     assert T.gauge(text, "num_used_tokens") == 12.0 and T.gauge(text, "num_running_reqs") == 3.0
     assert T.gauge(text, "num_queue_reqs") is None
+    # the soak's log opening: its first batch lines, then its warnings and errors
+    log = "start\n[a] Decode batch, #running-req: 4\n[b] WARNING: slow\n[c] Prefill batch, #new-seq: 2\nend"
+    assert T.log_opening(log, batches=1) == ["[a] Decode batch, #running-req: 4", "[b] WARNING: slow"]
 
 
 def test_serving_check_asks_greedy_equality_only_where_the_target_is_batch_invariant():
