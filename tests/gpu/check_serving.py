@@ -9,7 +9,9 @@ same chat prompts (64 in flight, greedy). Per arm it reports: outputs equal to t
 (partings at a near-tie, top-2 logprob gap <= 0.02, counted), the invariant completion_tokens =
 accepted drafts + verify steps + 1 per request, whether the sum of meta_info, /metrics, the
 /get_server_info ledger and the last decode log line agree exactly, accepted drafts per step, and
-the KV pool lines (arithmetic vs what the allocator really holds). Writes $OUT/serving.json.
+the KV pool lines (arithmetic vs what the allocator really holds). An arm passes on its accounting (invariant,
+views, pools) and, where the target alone is batch-invariant (its own 1-vs-64-in-flight floor has no parting
+beyond a near-tie: deterministic mode, Triton), on greedy equality too. Writes $OUT/serving.json.
 
 The attention backend is SGLang's own choice (FA3 for an MLA target on Hopper) unless
 GPU_CHECK_ATTENTION_BACKEND names one (triton, fa3, flashinfer, flashmla); the arms that exercise the
