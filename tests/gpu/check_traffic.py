@@ -1,7 +1,8 @@
 """GPU check: speculation under the traffic users send -- every request option, aborts and disconnects, and a soak.
 
 Uses check_serving's tiny DeepseekV3 target and its two trained heads (built and trained on first use, in
-GPU_CHECK_WORK). For each arm (head x drafting shape; the backend is SGLang's choice unless
+GPU_CHECK_WORK). For each arm (head x drafting shape, and upstream SGLang's EAGLE3 without the plugin, whose
+served and refused options the plugin's must match; the backend is SGLang's choice unless
 GPU_CHECK_ATTENTION_BACKEND names one) one server is started with `--enable-metrics`, the arms' servers side by
 side (GPU_CHECK_MAX_TOTAL_TOKENS caps each one's pool), and three parts run:
 
@@ -54,6 +55,9 @@ ARMS = {  # name: (head, drafting args, extra server args, env)
     "mha-tree": ("mha", CS.TREE, [], {}),
     "mla-tree": ("mla", CS.TREE, [], {}),
     "mha-chain-protected": ("mha", CS.CHAIN + ["--speculative-adaptive"], [], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"}),
+    # upstream SGLang's EAGLE3 without the plugin (its ids in upstream's reading): what it serves or refuses is what
+    # the plugin's arms must serve or refuse alike; it has no ledger, and its counters are its own
+    "upstream-mha-chain": ("mha-upstream", CS.CHAIN, [], {"SGLANG_PLUGINS": "none"}),
 }
 # the soak serves with the protection on whatever the arm (the cost policy may drop drafting at large batches)
 SOAK_ARGS = ["--max-running-requests", "128", "--chunked-prefill-size", "4096", "--speculative-adaptive"]
@@ -75,9 +79,12 @@ def sums(metas: list[dict]) -> dict:
             "accepted_drafts": sum(CS.accepted_drafts(m) for m in metas)}
 
 
-def ledger(srv: Server) -> dict:
+def ledger(srv: Server) -> dict | None:
+    """The plugin's per-process ledger (None: a server without the plugin)."""
     info = json.loads(srv.get("/get_server_info"))
-    d = (info.get("internal_states") or [{}])[0].get("sglang_ext_acceptance", {})
+    d = (info.get("internal_states") or [{}])[0].get("sglang_ext_acceptance")
+    if d is None:
+        return None
     return {"requests": d.get("finished_requests", 0), "verify_steps": d.get("verify_steps", 0),
             "accepted_drafts": d.get("accepted_drafts", 0), "aborted": d.get("aborted_requests", 0)}
 
@@ -92,8 +99,8 @@ def used_tokens(srv: Server) -> float | None:
     return gauge(srv.get("/metrics"), "num_used_tokens")
 
 
-def moved(before: dict, after: dict) -> dict:
-    return {k: after[k] - before[k] for k in after}
+def moved(before: dict | None, after: dict | None) -> dict | None:
+    return None if before is None or after is None else {k: after[k] - before[k] for k in after}
 
 
 def parse_sse(lines) -> list[dict]:
@@ -239,7 +246,7 @@ def part_options(srv: Server, prompts: list[list[int]], tokenizer, reference: li
         table[name] = {"status": status_of(results), "responses": len(metas),
                        "invariant_failures": sum(not invariant_holds(m) for m in metas),
                        # the chat route's responses carry no meta_info: the ledger's move is all there is
-                       "ledger_equals_responses": (None if name.startswith("chat") else
+                       "ledger_equals_responses": (None if name.startswith("chat") or d is None else
                                                    {k: d[k] for k in ("requests", "verify_steps", "accepted_drafts")}
                                                    == sums(metas)),
                        "ledger_moved": d, "responses_sum": sums(metas)}
@@ -314,7 +321,8 @@ def part_aborts(srv: Server, prompts: list[list[int]]) -> dict:
         alive = generate(srv, prompts[0], {"temperature": 0, "max_new_tokens": 8})
         out[f"in_flight_{in_flight}"] = {
             "requests": in_flight, "finished_anyway": len(finished), "ledger_moved": d,
-            "counted_once": d["requests"] == len(finished) and d["requests"] + d["aborted"] == in_flight,
+            "counted_once": None if d is None else (d["requests"] == len(finished)
+                                                    and d["requests"] + d["aborted"] == in_flight),
             "used_tokens_before_after": [idle, after],
             "pool_back_to_idle": None if after is None else after == 0,
             "serves_after": "outs" in alive and invariant_holds(alive["metas"][0])}
@@ -374,8 +382,8 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
     return {"minutes": minutes, "responses": len(metas), "sums": sums(metas),
             "first_response_s": round(first_response[0], 1) if first_response else None, "ledger_moved": d,
             "metrics_moved": prom, "invariant_failures": sum(not invariant_holds(m) for m in metas),
-            "ledger_equals_responses": {k: d[k] for k in keys} == sums(metas),
-            "metrics_equal_responses": {k: prom[k] for k in keys} == sums(metas),
+            "ledger_equals_responses": None if d is None else {k: d[k] for k in keys} == sums(metas),
+            "metrics_equal_responses": None if d is None else {k: prom[k] for k in keys} == sums(metas),
             "errors": sum(r.get("errors", 0) for r in minutes.values()),
             "output_tokens_per_s_per_minute": [round(x, 1) for x in per_min],
             "throughput_spread": (max(per_min) - min(per_min)) / max(per_min) if len(per_min) > 1 else None,
@@ -498,6 +506,9 @@ def main():
     print_tables(report)
 
 
+LEDGER_CELL = {True: "=", False: "!=", None: "-"}  # None: no meta_info to sum (chat), or no ledger (upstream)
+
+
 def print_tables(report: dict) -> None:
     options = sorted({o for r in report.values() for o in r.get("options", {})})
     if options:
@@ -507,7 +518,7 @@ def print_tables(report: dict) -> None:
             for r in report.values():
                 c = r.get("options", {}).get(o)
                 cells.append("-" if c is None else f"{c['status']}; invariant failures {c['invariant_failures']}; "
-                             f"ledger {'=' if c['ledger_equals_responses'] in (True, None) else '!='}")
+                             f"ledger {LEDGER_CELL[c['ledger_equals_responses']]}")
             print(f"| {o} | " + " | ".join(cells) + " |")
     for name, r in report.items():
         if not r.get("started", True) or r.get("error"):

@@ -494,6 +494,7 @@ def test_traffic_check_command_lines_parse():
     assert r["mha-chain"] == ["EAGLE3", 1, True, 64, r["mha-chain"][4], False]
     assert r["mla-tree"][:3] == ["EAGLE3", 4, True]
     assert r["mha-chain-protected"][5] is True
+    assert r["upstream-mha-chain"][:3] == ["EAGLE3", 1, True]  # upstream's own EAGLE3, beside the plugin's arms
     assert all(v[3] == 128 and v[4] == 4096 and v[5] is True for k, v in r.items() if k.endswith("-soak"))
 
 
@@ -524,6 +525,9 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
         "refused: HTTP 400")
     assert T.status_of([{"error": "RemoteDisconnected: closed"}]).startswith("failed: RemoteDisconnected")
     assert T.status_of([{"metas": [], "output_ok": False}]) == "failed: output does not satisfy the option"
+    # upstream's server has no ledger: its moves are unknown, never "equal"
+    assert T.moved(None, None) is None and T.moved({"requests": 1}, {"requests": 3}) == {"requests": 2}
+    assert T.LEDGER_CELL[None] == "-" and T.ARMS["upstream-mha-chain"][3] == {"SGLANG_PLUGINS": "none"}
     # SGLang's gauges, by name, from /metrics text: the pool's used tokens, running and queued requests
     text = ('# HELP sglang:num_used_tokens x\nsglang:num_used_tokens{model_name="m",engine_type="unified"} 12.0\n'
             'sglang:num_running_reqs{model_name="m"} 3\n')
