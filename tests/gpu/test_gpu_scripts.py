@@ -537,6 +537,20 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
     log = "start\n[a] Decode batch, #running-req: 4\n[b] WARNING: slow\n[c] Prefill batch, #new-seq: 2\nend"
     assert T.log_opening(log, batches=1) == ["[a] Decode batch, #running-req: 4", "[b] WARNING: slow"]
 
+    # the soak's verdicts: whole minutes only (the stop cuts the last), spread of tokens/s, first and last minute's
+    # memory and pool, ledger and /metrics against the responses' sums -- unknown (None) without a ledger
+    metas = [{"completion_tokens": 5, "spec_verify_ct": 2, "spec_num_correct_drafts": 2}] * 3
+    minutes = {0: {"tokens": 6000, "errors": 0, "gpu_mib": 100, "used_tokens": 7},
+               1: {"tokens": 5700, "errors": 1, "gpu_mib": 101, "used_tokens": 9},
+               2: {"tokens": 10, "errors": 0, "gpu_mib": 140}}
+    moved = {"requests": 3, "verify_steps": 6, "accepted_drafts": 6, "aborted": 0}
+    v = T.soak_summary(minutes, metas, 125, moved, {"requests": 3, "verify_steps": 6, "accepted_drafts": 5})
+    assert v["output_tokens_per_s_per_minute"] == [100.0, 95.0] and abs(v["throughput_spread"] - 0.05) < 1e-9
+    assert v["gpu_mib_first_last"] == [100, 101] and v["used_tokens_first_last"] == [7, 9] and v["errors"] == 1
+    assert v["ledger_equals_responses"] is True and v["metrics_equal_responses"] is False
+    assert T.soak_summary(minutes, metas, 125, None, None)["ledger_equals_responses"] is None
+    assert T.soak_summary({0: {"tokens": 0, "errors": 0}}, [], 60, None, None)["throughput_spread"] is None
+
 
 def test_serving_check_asks_greedy_equality_only_where_the_target_is_batch_invariant():
     sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
