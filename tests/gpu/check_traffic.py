@@ -20,11 +20,11 @@ side (GPU_CHECK_MAX_TOTAL_TOKENS caps each one's pool), and three parts run:
    the server).
 3. `soak` (GPU_TRAFFIC_SOAK_S seconds, default 600, after GPU_TRAFFIC_SOAK_WARMUP_S seconds of the same traffic,
    default 60, whose first response time and count are reported apart): 256 clients against
-   `--max-running-requests 128`, prompt lengths
-   mixed up to GPU_TRAFFIC_MAX_PROMPT tokens (default 32768, capped below the target's context; chunked prefill),
-   30% of prompts sharing a cached prefix, greedy and sampled requests mixed, the cost protection on: per minute
-   output tokens/s, GPU memory and pool usage; at the end every response's invariant, and the ledger and /metrics
-   each equal to the sum of meta_info.
+   `--max-running-requests 128`, a mix of requests repeated in blocks of 256 (`soak_block`: prompt lengths
+   up to GPU_TRAFFIC_MAX_PROMPT tokens, default 32768, capped below the target's context, one of that length per
+   block, through chunked prefill; 30% sharing a cached prefix; greedy and sampled), the cost protection on: per
+   minute output tokens/s, prompt and cached tokens, GPU memory and pool usage; at the end every response's
+   invariant, and the ledger and /metrics each equal to the sum of meta_info.
 
 Writes $OUT/traffic.json and prints a table per part.
 
@@ -42,6 +42,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -333,12 +334,45 @@ def part_aborts(srv: Server, prompts: list[list[int]]) -> dict:
     return out
 
 
+SOAK_BLOCK = 256  # requests per block of the soak's mix: every block holds the same lengths, sharing and sampling
+
+
+def soak_block(max_prompt: int, n_prompts: int, block: int = SOAK_BLOCK) -> list[dict]:
+    """One block of the soak's requests. Prompt lengths at the block's quantiles of 64 x Pareto(1.2), capped at
+    max_prompt, the longest at max_prompt (chunked prefill in every block); 30% sharing the cached prefix; half
+    greedy, half sampled (T 0.8, top-p 0.95); 16 / 64 / 256 new tokens in equal parts. The traffic repeats the block,
+    shuffled anew each pass, so any 256 consecutive requests hold the same mix and a minute's throughput measures the
+    server, not which lengths that minute drew (independent Pareto draws put one 32k prompt in some minutes and none
+    in others)."""
+    r = random.Random(1)
+    lengths = sorted(min(max_prompt, int(64 * (1 - (i + 0.5) / block) ** (-1 / 1.2))) for i in range(block))
+    lengths[-1] = max_prompt
+    shared = [i < round(0.3 * block) for i in range(block)]
+    greedy = [i % 2 == 0 for i in range(block)]
+    new_tokens = [(16, 64, 256)[i % 3] for i in range(block)]
+    for column in (shared, greedy, new_tokens):
+        r.shuffle(column)
+    return [{"length": n, "shared": sh, "prompt": r.randrange(n_prompts),
+             "sampling": {**({"temperature": 0} if g else {"temperature": 0.8, "top_p": 0.95}),
+                          "max_new_tokens": m}}
+            for n, sh, g, m in zip(lengths, shared, greedy, new_tokens)]
+
+
+def soak_input_ids(req: dict, prompts: list[list[int]], shared_prefix: list[int]) -> list[int]:
+    base = prompts[req["prompt"]]
+    if req["shared"]:  # the cached prefix, then the prompt (at least the prompt whole)
+        return (shared_prefix + base)[:max(req["length"], len(base))]
+    return (base * (req["length"] // len(base) + 1))[:req["length"]]
+
+
 def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt: int, warmup: float = 0) -> dict:
     """The soak's traffic for `warmup` seconds (its responses kept apart: a fresh server's first minute holds its
     one-time costs -- kernels compiled on first use of a shape or a sampler, the first visit to each batch size --
-    which are reported, not averaged into the steady state), then for `seconds`, measured."""
+    which are reported, not averaged into the steady state), then for `seconds`, measured. 256 clients take the next
+    request of the repeated `soak_block` in turn."""
     rng = random.Random(0)
     shared = [rng.randrange(1, 400) for _ in range(min(2048, max_prompt // 2))]
+    block = soak_block(max_prompt, len(prompts))
 
     def traffic(duration: float, seed: int) -> dict:
         stop_at = time.time() + duration
@@ -346,16 +380,20 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
         metas: list[dict] = []
         first_response: list[float] = []  # the first finished request's time, set once
         t0 = time.time()
+        order, passes, lock = [], [0], threading.Lock()
+
+        def next_request() -> dict:
+            with lock:
+                if not order:  # the next pass over the block, in a new order
+                    passes[0] += 1
+                    order.extend(random.Random(seed + passes[0]).sample(block, len(block)))
+                return order.pop()
 
         def client(k):
-            r = random.Random(seed + k)
             while time.time() < stop_at:
-                n = min(max_prompt, int(r.paretovariate(1.2) * 64))
-                base = prompts[r.randrange(len(prompts))]
-                ids = (shared + base)[:max(n, len(base))] if r.random() < 0.3 else (base * (n // len(base) + 1))[:n]
-                sp = ({"temperature": 0} if r.random() < 0.5 else {"temperature": 0.8, "top_p": 0.95})
-                sp["max_new_tokens"] = r.choice([16, 64, 256])
-                res = _safe(lambda s, i, sp=sp: generate(s, i, sp), srv, ids)
+                req = next_request()
+                ids = soak_input_ids(req, prompts, shared)
+                res = _safe(lambda s, i, sp=req["sampling"]: generate(s, i, dict(sp)), srv, ids)
                 if not first_response:
                     first_response.append(time.time() - t0)
                 minute = int((time.time() - t0) // 60)
@@ -363,6 +401,10 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
                 if "metas" in res:
                     metas.extend(res["metas"])
                     row["tokens"] += sum(m["completion_tokens"] for m in res["metas"])
+                    row["prompt_tokens"] = row.get("prompt_tokens", 0) + sum(m.get("prompt_tokens", 0)
+                                                                             for m in res["metas"])
+                    row["cached_tokens"] = row.get("cached_tokens", 0) + sum(m.get("cached_tokens", 0)
+                                                                             for m in res["metas"])
                 else:
                     row["errors"] += 1
 
@@ -373,7 +415,8 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
                 row["gpu_mib"] = gpu_memory_mib()
                 text = srv.get("/metrics")
                 row["used_tokens"] = gauge(text, "num_used_tokens")
-                # running vs queued tells a stalled scheduler (requests held, none finishing) from a slow one
+                # running vs queued: SGLang publishes both with each batch it logs, so before the first batch they
+                # read 0 whatever is waiting (the log's opening lines tell that time apart)
                 row.setdefault("running_queued", []).append([gauge(text, "num_running_reqs"),
                                                              gauge(text, "num_queue_reqs")])
                 time.sleep(20)
@@ -414,6 +457,8 @@ def soak_summary(minutes: dict[int, dict], metas: list[dict], seconds: float, le
             {k: metrics_moved[k] for k in keys} == sums(metas),
             "errors": sum(r.get("errors", 0) for r in minutes.values()),
             "output_tokens_per_s_per_minute": [round(x, 1) for x in per_min],
+            "prompt_tokens_per_minute": [minutes[m].get("prompt_tokens", 0) for m in full],
+            "cached_tokens_per_minute": [minutes[m].get("cached_tokens", 0) for m in full],
             "throughput_spread": (max(per_min) - min(per_min)) / max(per_min) if len(per_min) > 1 and max(per_min)
             else None,
             "gpu_mib_first_last": [minutes[full[0]].get("gpu_mib"), minutes[full[-1]].get("gpu_mib")] if full else None,
@@ -422,12 +467,16 @@ def soak_summary(minutes: dict[int, dict], metas: list[dict], seconds: float, le
 
 
 def log_opening(log: str, batches: int = 40) -> list[str]:
-    """The soak's first scheduler batch lines and every warning or error line of its log: what the server did while
-    the first requests were in flight (a first minute without a finished request is read here)."""
+    """The soak's log from its start: the last 30 lines before the first scheduler batch (what the server did between
+    the first request and the first batch), the first batch lines, and every other warning or error line -- where a
+    first minute without a finished request is read."""
     lines = log.splitlines()
-    first = [x for x in lines if "Prefill batch" in x or "Decode batch" in x][:batches]
-    notable = [x for x in lines if re.search(r"WARNING|Error|error|compil", x)][:40]
-    return first + notable
+    is_batch = [("Prefill batch" in x or "Decode batch" in x) for x in lines]
+    before = lines[:is_batch.index(True)] if True in is_batch else lines
+    first = [x for x, b in zip(lines, is_batch) if b][:batches]
+    notable = [x for x, b in zip(lines, is_batch) if not b and re.search(r"WARNING|Error|error|compil", x)
+               and x not in before[-30:]][:40]
+    return before[-30:] + first + notable
 
 
 def prometheus(srv: Server) -> dict:
@@ -471,6 +520,9 @@ def run_arm(name: str, srv: Server, parts: list[str], prompts: list[list[int]], 
         row["soak"] = part_soak(srv, prompts, float(os.environ.get("GPU_TRAFFIC_SOAK_S", "600")), max_prompt,
                                 float(os.environ.get("GPU_TRAFFIC_SOAK_WARMUP_S", "60")))
         row["soak"]["log_opening"] = log_opening(srv.log()[start:])
+        # the protection's own account of the depths it chose (the plugin's periodic summary line)
+        row["soak"]["policy_summaries"] = [x for x in srv.log()[start:].splitlines()
+                                           if "adaptive speculation summary" in x][-3:]
     return row
 
 
@@ -565,7 +617,8 @@ def print_tables(report: dict) -> None:
             print(f"{name} soak: {v['responses']} responses, {v['errors']} errors, invariant failures "
                   f"{v['invariant_failures']}, ledger = responses {v['ledger_equals_responses']}, /metrics = responses "
                   f"{v['metrics_equal_responses']}, output tok/s per minute {v['output_tokens_per_s_per_minute']} "
-                  f"(spread {v['throughput_spread']}), GPU MiB first/last {v['gpu_mib_first_last']}, used tokens "
+                  f"(spread {v['throughput_spread']}), prompt tokens per minute {v.get('prompt_tokens_per_minute')}, "
+                  f"GPU MiB first/last {v['gpu_mib_first_last']}, used tokens "
                   f"first/last {v['used_tokens_first_last']}")
         for k, v in (r.get("aborts") or {}).items():
             print(f"{name} aborts {k}: counted once {v['counted_once']}, pool back to idle {v['pool_back_to_idle']}, "

@@ -535,7 +535,21 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
     assert T.gauge(text, "num_queue_reqs") is None
     # the soak's log opening: its first batch lines, then its warnings and errors
     log = "start\n[a] Decode batch, #running-req: 4\n[b] WARNING: slow\n[c] Prefill batch, #new-seq: 2\nend"
-    assert T.log_opening(log, batches=1) == ["[a] Decode batch, #running-req: 4", "[b] WARNING: slow"]
+    assert T.log_opening(log, batches=1) == ["start", "[a] Decode batch, #running-req: 4", "[b] WARNING: slow"]
+    # the soak's mix: each block of 256 holds the same lengths (one at the longest prompt), 30% sharing the cached
+    # prefix, half greedy, 16 / 64 / 256 new tokens in equal parts
+    block = T.soak_block(32768, n_prompts=5)
+    lengths = sorted(r["length"] for r in block)
+    assert len(block) == T.SOAK_BLOCK == 256 and lengths[-1] == 32768 and lengths[0] == 64
+    assert 100 < lengths[128] < 130 and sum(r["shared"] for r in block) == 77
+    assert sum(r["sampling"]["temperature"] == 0 for r in block) == 128
+    assert sorted({r["sampling"]["max_new_tokens"] for r in block}) == [16, 64, 256]
+    assert all(r["sampling"].get("top_p") == 0.95 for r in block if r["sampling"]["temperature"])
+    assert T.soak_block(32768, 5) == block and max(r["length"] for r in T.soak_block(3500, 5)) == 3500
+    prompts, prefix = [[7, 8, 9]], list(range(100, 120))
+    assert T.soak_input_ids({"length": 8, "shared": False, "prompt": 0}, prompts, prefix) == [7, 8, 9, 7, 8, 9, 7, 8]
+    assert T.soak_input_ids({"length": 25, "shared": True, "prompt": 0}, prompts, prefix) == prefix + [7, 8, 9]
+    assert T.soak_input_ids({"length": 2, "shared": True, "prompt": 0}, prompts, prefix) == prefix[:3]
 
     # the soak's verdicts: whole minutes only (the stop cuts the last), spread of tokens/s, first and last minute's
     # memory and pool, ledger and /metrics against the responses' sums -- unknown (None) without a ledger
@@ -546,6 +560,7 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
     moved = {"requests": 3, "verify_steps": 6, "accepted_drafts": 6, "aborted": 0}
     v = T.soak_summary(minutes, metas, 125, moved, {"requests": 3, "verify_steps": 6, "accepted_drafts": 5})
     assert v["output_tokens_per_s_per_minute"] == [100.0, 95.0] and abs(v["throughput_spread"] - 0.05) < 1e-9
+    assert v["prompt_tokens_per_minute"] == [0, 0]  # rows without the prompt counts (an older soak's) read 0
     assert v["gpu_mib_first_last"] == [100, 101] and v["used_tokens_first_last"] == [7, 9] and v["errors"] == 1
     assert v["ledger_equals_responses"] is True and v["metrics_equal_responses"] is False
     assert T.soak_summary(minutes, metas, 125, None, None)["ledger_equals_responses"] is None
