@@ -238,6 +238,16 @@ def serverlib():
     return lib
 
 
+# The running limit is twice the largest concurrency measured (`max_bs`, also the largest CUDA-graph batch). At a limit
+# equal to the concurrency, SGLang 0.5.17's scheduler sometimes admits one request of a level's second wave only when
+# the rest of that wave has finished: a request slot still held by a finished request makes the prefill pass mark the
+# batch full (`batch_is_full`), and nothing clears the mark until a running request finishes. Every slow c = 64 repeat
+# of the 2026-12-02 and 2026-12-04 FA3 runs had such a request (first token when the others ended), in every kind of
+# arm: c = 64 medians moved by 10-25% with no difference between the servers (docs/benchmarks.md). Clients never
+# exceed the concurrency, so a higher limit changes nothing else.
+RUNNING_HEADROOM = 2
+
+
 def server_args(arm: str, max_bs: int, mem_fraction: float, backend: str | None = None,
                 max_total_tokens: int | None = None) -> tuple[list[str], dict]:
     """`backend` None: no --attention-backend, SGLang's own choice (fa3 for this MLA target on Hopper)."""
@@ -246,7 +256,7 @@ def server_args(arm: str, max_bs: int, mem_fraction: float, backend: str | None 
     bs = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b <= max_bs]
     args = ["--model-path", f"{WORK}/target", "--load-format", "dummy",
             *(["--attention-backend", backend] if backend else []),
-            "--mem-fraction-static", str(mem_fraction), "--max-running-requests", str(max_bs),
+            "--mem-fraction-static", str(mem_fraction), "--max-running-requests", str(RUNNING_HEADROOM * max_bs),
             "--cuda-graph-bs-decode", *map(str, bs), "--disable-prefill-cuda-graph",
             *(["--max-total-tokens", str(max_total_tokens)] if max_total_tokens else []),
             *tp_args(int(os.environ.get("SPEC_BENCH_TP", "1")))]  # TP=2 on nvidia-h200-x2 (the TP issue)

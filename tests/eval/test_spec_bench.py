@@ -68,6 +68,9 @@ def test_arms_server_arguments():
         assert sb.server_args(arm, 32, 0.8)[1]["SGLANG_EXT_ADAPTIVE_DEPTH0"] == "verify"
     args, env = sb.server_args("nospec", 128, 0.8)
     assert "--speculative-algorithm" not in args and args[args.index("--disable-prefill-cuda-graph") - 1] == "128"
+    # the running limit above the largest concurrency (at the limit, SGLang 0.5.17 can hold one request of a wave
+    # until the others finish): CUDA graphs to 128, 256 requests may run
+    assert args[args.index("--max-running-requests") + 1] == "256"
 
 
 def test_report_from_a_state(tmp_path, monkeypatch):

@@ -18,12 +18,13 @@ side (GPU_CHECK_MAX_TOTAL_TOKENS caps each one's pool), and three parts run:
    each aborted one as aborted (never in the acceptance counters), and the KV pool must be back at its idle usage
    (`sglang:num_used_tokens` read from /metrics before and after; SGLang's own idle leak check would also stop
    the server).
-3. `soak` (GPU_TRAFFIC_SOAK_S seconds, default 600, after GPU_TRAFFIC_SOAK_WARMUP_S seconds of the same traffic,
-   default 60, whose first response time and count are reported apart): 256 clients against
-   `--max-running-requests 128`, a mix of requests repeated in blocks of 256 (`soak_block`: prompt lengths
-   up to GPU_TRAFFIC_MAX_PROMPT tokens, default 32768, capped below the target's context, one of that length per
-   block, through chunked prefill; 30% sharing a cached prefix; greedy and sampled), the cost protection on: per
-   minute output tokens/s, prompt and cached tokens, GPU memory and pool usage; at the end every response's
+3. `soak` (GPU_TRAFFIC_SOAK_S seconds, default 600, after one request of each kind timed alone on the fresh server
+   and GPU_TRAFFIC_SOAK_WARMUP_S seconds of the same traffic, default 60, whose first response time and count are
+   reported apart): 256 clients against `--max-running-requests 128`, a mix of requests repeated in blocks of 256
+   (`soak_block`: prompt lengths up to GPU_TRAFFIC_MAX_PROMPT tokens, default 32768, capped below the target's
+   context, one of that length per block, through chunked prefill; 30% sharing a cached prefix, every other prompt
+   its own; greedy and sampled), the cost protection on: per minute output tokens/s, prompt and cached tokens,
+   accepted drafts per verify step, GPU memory, compiled kernels and pool usage; at the end every response's
    invariant, and the ledger and /metrics each equal to the sum of meta_info.
 
 Writes $OUT/traffic.json and prints a table per part.
@@ -358,11 +359,51 @@ def soak_block(max_prompt: int, n_prompts: int, block: int = SOAK_BLOCK) -> list
             for n, sh, g, m in zip(lengths, shared, greedy, new_tokens)]
 
 
-def soak_input_ids(req: dict, prompts: list[list[int]], shared_prefix: list[int]) -> list[int]:
+MARKER_TOKENS = 4  # a request's own tokens before its prompt: no two requests share more than the shared prefix
+
+
+def request_marker(serial: int) -> list[int]:
+    """Token ids 1-399 (the shared prefix's range) spelling `serial`, 25 billion distinct: repeating the block must not repeat its prompts, or the radix cache holds every prompt after the
+    first pass (the soak of 2026-12-04 found 99% of its prompt tokens cached)."""
+    return [1 + (serial // 399 ** i) % 399 for i in range(MARKER_TOKENS)]
+
+
+def soak_input_ids(req: dict, prompts: list[list[int]], shared_prefix: list[int], serial: int = 0) -> list[int]:
+    """`req["length"]` tokens (at least the marker and the prompt whole): as much of the cached prefix as the length
+    leaves room for if the request shares it, then the request's own marker, then its prompt repeated -- so only the
+    sharing 30% find anything in the radix cache, and a short request shares a short prefix."""
     base = prompts[req["prompt"]]
-    if req["shared"]:  # the cached prefix, then the prompt (at least the prompt whole)
-        return (shared_prefix + base)[:max(req["length"], len(base))]
-    return (base * (req["length"] // len(base) + 1))[:req["length"]]
+    room = max(req["length"] - MARKER_TOKENS - len(base), 0)
+    head = (shared_prefix[:room] if req["shared"] else []) + request_marker(serial)
+    n = max(req["length"] - len(head), len(base))
+    return head + (base * (n // len(base) + 1))[:n]
+
+
+def jit_cache_entries() -> int | None:
+    """Kernels compiled on this machine so far (Triton's and FlashInfer's caches): each one loaded adds its code to the
+    GPU's memory, which a soak must tell apart from a leak."""
+    home = os.path.expanduser("~")
+    dirs = [os.environ.get("TRITON_CACHE_DIR", f"{home}/.triton/cache"), f"{home}/.cache/flashinfer"]
+    found = [d for d in dirs if os.path.isdir(d)]
+    if not found:
+        return None
+    return sum(len(files) for d in found for _, _, files in os.walk(d))
+
+
+def first_requests(srv: Server, prompts: list[list[int]], max_prompt: int) -> dict:
+    """Seconds to serve each kind of request the soak sends, one at a time on the fresh server, before any traffic: a
+    first sampled request or a first long prompt that compiles a kernel shows here, not as a stalled first minute
+    (two soaks waited 92 and 95 s for their first response; the server's own warm-up request is greedy and short)."""
+    kinds = {"greedy, 64 tokens": (64, {"temperature": 0}),
+             "sampled (T 0.8, top-p 0.95), 64 tokens": (64, {"temperature": 0.8, "top_p": 0.95}),
+             f"greedy, {max_prompt} tokens": (max_prompt, {"temperature": 0})}
+    out = {}
+    for i, (name, (length, sp)) in enumerate(kinds.items()):
+        ids = soak_input_ids({"length": length, "shared": False, "prompt": 0}, prompts, [], serial=10 ** 6 + i)
+        t = time.time()
+        res = _safe(lambda s, x, sp=sp: generate(s, x, {**sp, "max_new_tokens": 16}), srv, ids)
+        out[name] = {"seconds": round(time.time() - t, 2), **({"error": res["error"]} if "error" in res else {})}
+    return out
 
 
 def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt: int, warmup: float = 0) -> dict:
@@ -380,19 +421,20 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
         metas: list[dict] = []
         first_response: list[float] = []  # the first finished request's time, set once
         t0 = time.time()
-        order, passes, lock = [], [0], threading.Lock()
+        order, passes, serial, lock = [], [0], [seed], threading.Lock()
 
-        def next_request() -> dict:
+        def next_request() -> tuple[dict, int]:
             with lock:
                 if not order:  # the next pass over the block, in a new order
                     passes[0] += 1
                     order.extend(random.Random(seed + passes[0]).sample(block, len(block)))
-                return order.pop()
+                serial[0] += 1
+                return order.pop(), serial[0]
 
         def client(k):
             while time.time() < stop_at:
-                req = next_request()
-                ids = soak_input_ids(req, prompts, shared)
+                req, n = next_request()
+                ids = soak_input_ids(req, prompts, shared, serial=n)
                 res = _safe(lambda s, i, sp=req["sampling"]: generate(s, i, dict(sp)), srv, ids)
                 if not first_response:
                     first_response.append(time.time() - t0)
@@ -405,6 +447,9 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
                                                                              for m in res["metas"])
                     row["cached_tokens"] = row.get("cached_tokens", 0) + sum(m.get("cached_tokens", 0)
                                                                              for m in res["metas"])
+                    # what the protection did that minute: verify steps and accepted drafts of its finished requests
+                    for key, value in sums(res["metas"]).items():
+                        row[key] = row.get(key, 0) + value
                 else:
                     row["errors"] += 1
 
@@ -413,6 +458,7 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
                 minute = int((time.time() - t0) // 60)
                 row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
                 row["gpu_mib"] = gpu_memory_mib()
+                row["jit_cache_entries"] = jit_cache_entries()
                 text = srv.get("/metrics")
                 row["used_tokens"] = gauge(text, "num_used_tokens")
                 # running vs queued: SGLang publishes both with each batch it logs, so before the first batch they
@@ -428,16 +474,17 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
         return {"minutes": minutes, "metas": metas,
                 "first_response_s": round(first_response[0], 1) if first_response else None}
 
+    first = first_requests(srv, prompts, max_prompt)
     warm = None
     if warmup > 0:
-        w = traffic(warmup, seed=10_000)
+        w = traffic(warmup, seed=10 ** 8)
         warm = {"seconds": warmup, "responses": len(w["metas"]), "first_response_s": w["first_response_s"],
                 "minutes": w["minutes"], "invariant_failures": sum(not invariant_holds(m) for m in w["metas"])}
     before, prom_before = ledger(srv), prometheus(srv)
     run = traffic(seconds, seed=0)
     time.sleep(2)
     d, prom = moved(before, ledger(srv)), moved(prom_before, prometheus(srv))
-    return {"warmup": warm, **soak_summary(run["minutes"], run["metas"], seconds, d, prom),
+    return {"first_requests": first, "warmup": warm, **soak_summary(run["minutes"], run["metas"], seconds, d, prom),
             "first_response_s": run["first_response_s"]}
 
 
@@ -459,6 +506,10 @@ def soak_summary(minutes: dict[int, dict], metas: list[dict], seconds: float, le
             "output_tokens_per_s_per_minute": [round(x, 1) for x in per_min],
             "prompt_tokens_per_minute": [minutes[m].get("prompt_tokens", 0) for m in full],
             "cached_tokens_per_minute": [minutes[m].get("cached_tokens", 0) for m in full],
+            "accepted_drafts_per_step_per_minute": [round(minutes[m]["accepted_drafts"] / minutes[m]["verify_steps"], 3)
+                                                    if minutes[m].get("verify_steps") else None for m in full],
+            "jit_cache_entries_first_last": [minutes[full[0]].get("jit_cache_entries"),
+                                             minutes[full[-1]].get("jit_cache_entries")] if full else None,
             "throughput_spread": (max(per_min) - min(per_min)) / max(per_min) if len(per_min) > 1 and max(per_min)
             else None,
             "gpu_mib_first_last": [minutes[full[0]].get("gpu_mib"), minutes[full[-1]].get("gpu_mib")] if full else None,
@@ -520,9 +571,10 @@ def run_arm(name: str, srv: Server, parts: list[str], prompts: list[list[int]], 
         row["soak"] = part_soak(srv, prompts, float(os.environ.get("GPU_TRAFFIC_SOAK_S", "600")), max_prompt,
                                 float(os.environ.get("GPU_TRAFFIC_SOAK_WARMUP_S", "60")))
         row["soak"]["log_opening"] = log_opening(srv.log()[start:])
-        # the protection's own account of the depths it chose (the plugin's periodic summary line)
+        # the protection's own account of the depths it chose, every batch-size slot every 10 s (the plugin's summary
+        # line): which depths each minute ran, beside that minute's throughput
         row["soak"]["policy_summaries"] = [x for x in srv.log()[start:].splitlines()
-                                           if "adaptive speculation summary" in x][-3:]
+                                           if "adaptive speculation summary" in x]
     return row
 
 
@@ -610,6 +662,9 @@ def print_tables(report: dict) -> None:
             print(f"{name}: {r.get('error')}")
         v = r.get("soak")
         if v:
+            if v.get("first_requests"):
+                print(f"{name} soak, first requests one at a time: " +
+                      ", ".join(f"{k} {x['seconds']} s" for k, x in v["first_requests"].items()))
             w = v.get("warmup") or {}
             if w:
                 print(f"{name} soak warm-up ({w['seconds']:.0f} s, not measured): {w['responses']} responses, first "
@@ -617,7 +672,10 @@ def print_tables(report: dict) -> None:
             print(f"{name} soak: {v['responses']} responses, {v['errors']} errors, invariant failures "
                   f"{v['invariant_failures']}, ledger = responses {v['ledger_equals_responses']}, /metrics = responses "
                   f"{v['metrics_equal_responses']}, output tok/s per minute {v['output_tokens_per_s_per_minute']} "
-                  f"(spread {v['throughput_spread']}), prompt tokens per minute {v.get('prompt_tokens_per_minute')}, "
+                  f"(spread {v['throughput_spread']}), prompt / cached tokens per minute {v.get('prompt_tokens_per_minute')} / "
+                  f"{v.get('cached_tokens_per_minute')}, accepted drafts per step per minute "
+                  f"{v.get('accepted_drafts_per_step_per_minute')}, JIT cache entries first/last "
+                  f"{v.get('jit_cache_entries_first_last')}, "
                   f"GPU MiB first/last {v['gpu_mib_first_last']}, used tokens "
                   f"first/last {v['used_tokens_first_last']}")
         for k, v in (r.get("aborts") or {}).items():

@@ -547,9 +547,27 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
     assert all(r["sampling"].get("top_p") == 0.95 for r in block if r["sampling"]["temperature"])
     assert T.soak_block(32768, 5) == block and max(r["length"] for r in T.soak_block(3500, 5)) == 3500
     prompts, prefix = [[7, 8, 9]], list(range(100, 120))
-    assert T.soak_input_ids({"length": 8, "shared": False, "prompt": 0}, prompts, prefix) == [7, 8, 9, 7, 8, 9, 7, 8]
-    assert T.soak_input_ids({"length": 25, "shared": True, "prompt": 0}, prompts, prefix) == prefix + [7, 8, 9]
-    assert T.soak_input_ids({"length": 2, "shared": True, "prompt": 0}, prompts, prefix) == prefix[:3]
+    mark = T.request_marker(5)
+    assert len(mark) == T.MARKER_TOKENS == 4 and all(1 <= t <= 399 for t in mark)
+    assert T.soak_input_ids({"length": 11, "shared": False, "prompt": 0}, prompts, prefix, 5) == mark + [7, 8, 9] * 2 + [7]
+    assert T.soak_input_ids({"length": 27, "shared": True, "prompt": 0}, prompts, prefix, 5) == prefix + mark + [7, 8, 9]
+    assert T.soak_input_ids({"length": 12, "shared": True, "prompt": 0}, prompts, prefix, 5) == prefix[:5] + mark + [7, 8, 9]
+    assert T.soak_input_ids({"length": 2, "shared": True, "prompt": 0}, prompts, prefix, 5) == mark + [7, 8, 9]
+    # two passes over the block, as the clients send them: only the sharing 30% meet the radix cache; no request's
+    # prompt repeats an earlier one's beyond the shared prefix (repeating the block cached 99% of the prompt tokens)
+    shared_prefix = list(range(1, 300)) * 7
+    sent = [T.soak_input_ids(r, [[1, 2, 3, 4, 5]] * 5, shared_prefix, serial)
+            for serial, r in enumerate(block + block, start=1)]
+    assert [len(x) for x in sent] == [max(r["length"], T.MARKER_TOKENS + 5) for r in block + block]
+    assert len({tuple(x[:2100]) for x in sent}) == len(sent)
+
+    def cached(ids, seen):  # the longest prefix an earlier request holds (a radix cache of every prompt seen)
+        return max((next((i for i, (a, b) in enumerate(zip(ids, s)) if a != b), min(len(ids), len(s))) for s in seen),
+                   default=0)
+    hits = [cached(x, sent[:i]) for i, x in enumerate(sent)]
+    assert sum(h > 3 for h in hits) == sum(r["shared"] for r in block + block) - 1  # the first sharer fills the cache
+    for r, x, h in zip(block + block, sent, hits):  # a sharer finds at most its part of the prefix, the others nothing
+        assert h <= (len(x) - T.MARKER_TOKENS - 5 if r["shared"] else 3)
 
     # the soak's verdicts: whole minutes only (the stop cuts the last), spread of tokens/s, first and last minute's
     # memory and pool, ledger and /metrics against the responses' sums -- unknown (None) without a ledger
@@ -558,8 +576,11 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
                1: {"tokens": 5700, "errors": 1, "gpu_mib": 101, "used_tokens": 9},
                2: {"tokens": 10, "errors": 0, "gpu_mib": 140}}
     moved = {"requests": 3, "verify_steps": 6, "accepted_drafts": 6, "aborted": 0}
+    minutes[0].update(verify_steps=40, accepted_drafts=10, jit_cache_entries=12)
+    minutes[1].update(jit_cache_entries=15)
     v = T.soak_summary(minutes, metas, 125, moved, {"requests": 3, "verify_steps": 6, "accepted_drafts": 5})
     assert v["output_tokens_per_s_per_minute"] == [100.0, 95.0] and abs(v["throughput_spread"] - 0.05) < 1e-9
+    assert v["accepted_drafts_per_step_per_minute"] == [0.25, None] and v["jit_cache_entries_first_last"] == [12, 15]
     assert v["prompt_tokens_per_minute"] == [0, 0]  # rows without the prompt counts (an older soak's) read 0
     assert v["gpu_mib_first_last"] == [100, 101] and v["used_tokens_first_last"] == [7, 9] and v["errors"] == 1
     assert v["ledger_equals_responses"] is True and v["metrics_equal_responses"] is False
