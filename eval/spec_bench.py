@@ -18,12 +18,15 @@ upstream SGLang EAGLE3 and against the physical bound, side by side in one run (
 4. `report`: ratios (plugin/upstream, spec/no-spec, achieved/bound with c measured from the
    zero-acceptance arm at concurrency 1: TPOT_zero = TPOT_nospec x (1 + k c)), min-max over repeats,
    fp8 vs bf16 draft pool tokens and max running requests; writes benchmarks.md, report.json and a PNG.
+5. `bound`: chain arms at concurrency 1 against the bound the weights read set (`weight_bytes_bound`: a cycle reads
+   the target once and the head once per step, and yields 1 + accepted tokens), by TPOT and by throughput.
 
 Resumable: results accumulate in WORK/state.json, so the arms can be spread over several calls.
 
     eagle3-spec-bench build
     eagle3-spec-bench run ARM [ARM ...]
     eagle3-spec-bench report --out docs/benchmarks.md
+    eagle3-spec-bench bound ARM [ARM ...] --state STATE
 """
 
 from __future__ import annotations
@@ -576,6 +579,87 @@ def batch1_bound(no: dict | None, zero: dict | None, chain: dict | None) -> dict
             "throughput_ratio": mean_tps(chain, "1") / mean_tps(no, "1")}
 
 
+def target_step_bytes(cfg: dict, dtype_bytes: int = 2) -> int:
+    """Weight bytes a DeepseekV3 (MLA) target reads in one decode step at batch 1: every layer's attention and MLP --
+    dense, or the shared experts, the router and the `num_experts_per_tok` routed experts one token selects -- the
+    norms and the LM head; of the embedding one row, not counted. At batch 1 and the prompt lengths benchmarked the
+    KV cache read is a fraction of a percent of this (16 layers x 1,152 B a token), so weights alone bound a step."""
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    q = h * cfg["q_lora_rank"] + cfg["q_lora_rank"] * (1 + heads * qk) if cfg.get("q_lora_rank") else h * heads * qk
+    attention = (q + h * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) + cfg["kv_lora_rank"]
+                 + cfg["kv_lora_rank"] * heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])
+                 + heads * cfg["v_head_dim"] * h + 2 * h)
+    dense = 3 * h * cfg["intermediate_size"]
+    moe = (h * cfg.get("n_routed_experts", 0) + 3 * h * cfg.get("moe_intermediate_size", 0)
+           * (cfg.get("n_shared_experts", 0) + cfg.get("num_experts_per_tok", 0)))
+    layers = cfg["num_hidden_layers"]
+    n_dense = min(cfg.get("first_k_dense_replace", layers), layers)
+    params = layers * attention + n_dense * dense + (layers - n_dense) * moe + h + cfg["vocab_size"] * h
+    return dtype_bytes * params
+
+
+def draft_cycle_bytes(head_cfg: dict, fmt: str, steps: int = STEPS, dtype_bytes: int = 2) -> tuple[int, int]:
+    """(bytes of one draft forward, bytes read once per verify cycle) for a head, from its format's weight map. A cycle
+    runs the head `steps` times (the draft extend over the accepted tokens, then steps - 1 draft steps, as SGLang's
+    EAGLE worker does); only the extend projects the target's aux states, so `fc` is read once a cycle; the
+    embedding is the target's (one row)."""
+    import math
+
+    from sglang_ext.config import Eagle3DraftConfig, weight_map
+
+    required, _ = weight_map(fmt).expected(Eagle3DraftConfig.from_dict(head_cfg))
+    per_forward = sum(math.prod(shape) for name, shape in required.items() if name not in ("fc.weight", "d2t", "t2d"))
+    return dtype_bytes * per_forward, dtype_bytes * math.prod(required["fc.weight"])
+
+
+def weight_bytes_bound(target_cfg: dict, head_cfg: dict, fmt: str, accepted: float, steps: int = STEPS) -> dict:
+    """Batch 1's speedup bound from the weights read: a step of no speculation reads the target's weights once (T); a
+    chain's cycle reads them once to verify steps + 1 tokens (still memory-bound at batch 1) and the head's `steps`
+    times (D each, plus fc once: F), and yields 1 + accepted tokens. Speedup <= (1 + a) T / (T + steps D + F)."""
+    t = target_step_bytes(target_cfg)
+    d, f = draft_cycle_bytes(head_cfg, fmt, steps)
+    return {"target_step_bytes": t, "draft_forward_bytes": d, "fc_bytes": f, "accepted_drafts_per_step": accepted,
+            "bound": (1 + accepted) * t / (t + steps * d + f)}
+
+
+def bound_rows(state: dict, arms: list[str], reference: str = "nospec") -> list[dict]:
+    """Each chain arm at concurrency 1 against the weight-bytes bound: the bound at the arm's measured acceptance,
+    and what it achieved as the ratio of time per output token (what the bound is about) and of throughput (which
+    also counts prefill and the client's time between requests)."""
+    layers = state["build"]["layers"]
+    ref = state["arms"].get(reference)
+    if not ref or "1" not in ref.get("levels", {}):
+        raise SystemExit(f"bound: the state has no {reference!r} arm measured at concurrency 1")
+    rows = []
+    for arm in arms:
+        row = state["arms"].get(arm)
+        head = ARMS[arm][0]
+        if head is None or not row or "1" not in row.get("levels", {}):
+            raise SystemExit(f"bound: {arm!r} is not a drafting arm measured at concurrency 1 in this state")
+        fmt = head.split("-")[0]
+        a = statistics.median(r["accepted_drafts_per_step"] or 0.0 for r in row["levels"]["1"])
+        b = weight_bytes_bound(target_config(layers), head_config(fmt, layers), fmt, a)
+        tpot = statistics.median(r["tpot_mean_s"] for r in ref["levels"]["1"]) / statistics.median(
+            r["tpot_mean_s"] for r in row["levels"]["1"])
+        tps = statistics.median(r["output_tokens_per_s"] for r in row["levels"]["1"]) / statistics.median(
+            r["output_tokens_per_s"] for r in ref["levels"]["1"])
+        rows.append({"arm": arm, **b, "tpot_speedup": tpot, "throughput_speedup": tps,
+                     "tpot_speedup/bound": tpot / b["bound"], "throughput_speedup/bound": tps / b["bound"]})
+    return rows
+
+
+def bound_table(rows: list[dict]) -> str:
+    lines = ["| arm | target step GB | draft forward GB (+ fc once) | accepted drafts / step | bound | speedup by TPOT "
+             "(of bound) | by throughput (of bound) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['arm']} | {r['target_step_bytes'] / 1e9:.2f} | {r['draft_forward_bytes'] / 1e9:.2f} "
+                     f"(+ {r['fc_bytes'] / 1e9:.2f}) | {r['accepted_drafts_per_step']:.2f} | {r['bound']:.3f}x | "
+                     f"{r['tpot_speedup']:.3f}x ({r['tpot_speedup/bound']:.3f}) | {r['throughput_speedup']:.3f}x "
+                     f"({r['throughput_speedup/bound']:.3f}) |")
+    return "\n".join(lines)
+
+
 def ratio_rows(state: dict) -> list[dict]:
     arms = state.get("arms", {})
     levels = sorted({int(c) for r in arms.values() for c in r.get("levels", {})})
@@ -790,6 +874,10 @@ def main(argv=None) -> int:
     tb.add_argument("arms", nargs="+")
     tb.add_argument("--reference", required=True, help="the arm the ratios are to")
     tb.add_argument("--state", default=None, help="a state.json (default: the work directory's)")
+    bd = sub.add_parser("bound", help="chain arms at concurrency 1 against the weight-bytes bound on batch 1's speedup")
+    bd.add_argument("arms", nargs="+", choices=list(ARMS))
+    bd.add_argument("--reference", default="nospec", help="the arm without speculation")
+    bd.add_argument("--state", default=None, help="a state.json (default: the work directory's)")
     rp = sub.add_parser("report")
     rp.add_argument("--out", default="docs/benchmarks.md")
     al = sub.add_parser("all", help="build, run ARMS (default: all, in priority order) and report")
@@ -832,6 +920,9 @@ def main(argv=None) -> int:
     state = json.load(open(state_path)) if os.path.exists(state_path) else {}
     if args.cmd == "table":
         print(compare_table(state, args.arms, args.reference))
+        return 0
+    if args.cmd == "bound":
+        print(bound_table(bound_rows(state, args.arms, args.reference)))
         return 0
     if args.cmd == "build":
         state["build"] = build(args.layers)

@@ -20,6 +20,44 @@ def test_bound_and_cost_ratio_by_hand():
     assert sb.draft_cost_ratio(10.0, 9.0) == 0.0
 
 
+@pytest.mark.parametrize("layers,dense", [(2, 2), (3, 1)])
+def test_target_step_bytes_are_the_weights_one_token_reads(layers, dense):
+    """Against transformers' own DeepseekV3 (on the meta device): every parameter but the embedding, of the routed
+    experts only the ones a token selects."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    cfg = dict(sb.target_config(layers), first_k_dense_replace=dense)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(DeepseekV3Config(**{k: v for k, v in cfg.items()
+                                                                       if k != "architectures"}))
+    active = sum(p.numel() * (cfg["num_experts_per_tok"] / cfg["n_routed_experts"] if ".experts." in n else 1)
+                 for n, p in model.named_parameters() if "embed_tokens" not in n)
+    assert sb.target_step_bytes(cfg) == 2 * active
+
+
+def test_weight_bytes_bound_of_the_benchmark_pair():
+    fmt = "mha"
+    d, f = sb.draft_cycle_bytes(sb.head_config(fmt, 16), fmt)
+    req, _ = weight_map(fmt).expected(Eagle3DraftConfig.from_dict(sb.head_config(fmt, 16)))
+    assert f == 2 * math.prod(req["fc.weight"]) and d + f == 2 * sum(math.prod(v) for k, v in req.items() if k != "d2t")
+    b = sb.weight_bytes_bound(sb.target_config(16), sb.head_config(fmt, 16), fmt, accepted=2.0)
+    t = sb.target_step_bytes(sb.target_config(16))
+    assert b["bound"] == pytest.approx(3 * t / (t + 3 * d + f)) and 2.3 < b["bound"] < 2.35
+    assert sb.weight_bytes_bound(sb.target_config(16), sb.head_config(fmt, 16), fmt, 0.0)["bound"] < 1.0
+    # an arm against it: TPOT and throughput ratios at concurrency 1, the arm's median acceptance
+    runs = lambda tps, tpot, acc: [{"output_tokens_per_s": tps, "tpot_mean_s": tpot, "accepted_drafts_per_step": acc}]
+    state = {"build": {"layers": 16}, "arms": {"nospec": {"levels": {"1": runs(180.0, 0.0054, None)}},
+                                               "plugin-mha-chain": {"levels": {"1": runs(396.0, 0.0024, 2.0)}}}}
+    (row,) = sb.bound_rows(state, ["plugin-mha-chain"])
+    assert row["tpot_speedup"] == pytest.approx(2.25) and row["throughput_speedup"] == pytest.approx(2.2)
+    assert row["tpot_speedup/bound"] == pytest.approx(2.25 / b["bound"])
+    assert "| plugin-mha-chain | 18.27 |" in sb.bound_table([row])
+    with pytest.raises(SystemExit, match="'nospec' arm"):
+        sb.bound_rows({"build": {"layers": 16}, "arms": {}}, ["plugin-mha-chain"])
+    with pytest.raises(SystemExit, match="not a drafting arm"):
+        sb.bound_rows(state, ["nospec"])
+
+
 @pytest.mark.parametrize("fmt", ["mha", "mla"])
 def test_kimi_shaped_heads_pass_the_servers_checks_and_are_about_1b(fmt):
     target = TargetConfig.from_dict(sb.target_config(16))
