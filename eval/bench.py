@@ -79,6 +79,23 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def held_requests(spans: list[list[float]], factor: float = 3.0) -> int:
+    """Requests a server held back while it served others: the first token came more than `factor` times the median
+    time to first token after the start, and only once at least half of the requests already running at its start
+    had finished. SGLang 0.5.17 did this to one request per slow repeat at a concurrency equal to its running limit
+    (docs/benchmarks.md, 2026-12-04): one such request adds a whole wave's time to a repeat. `spans`: each request's
+    [start, first token, end] (`per_request_ms`)."""
+    if len(spans) < 3:
+        return 0
+    median_ttft = statistics.median(f - s for s, f, _ in spans)
+    held = 0
+    for i, (start, first, _) in enumerate(spans):
+        running = [e for j, (s, _, e) in enumerate(spans) if j != i and s <= start < e]
+        if running and first - start > factor * median_ttft and sum(e <= first for e in running) >= len(running) / 2:
+            held += 1
+    return held
+
+
 def summarize(results: list[dict], wall: float) -> dict:
     failed = [r["error"] for r in results if "error" in r]
     results = [r for r in results if "error" not in r]
@@ -89,6 +106,8 @@ def summarize(results: list[dict], wall: float) -> dict:
     acc = sum(s["accepted_drafts"] for s in specs)
     tpots = [r["tpot"] for r in results if r["tpot"] is not None]
     t0 = min((r["start"] for r in results if "start" in r), default=0.0)
+    spans = [[round(1e3 * (r["start"] - t0), 1), round(1e3 * (r["start"] - t0 + r["ttft"]), 1),
+              round(1e3 * (r["start"] - t0 + r["latency"]), 1)] for r in results if "start" in r]
     return {"requests": len(results), "failed_requests": len(failed), "errors": sorted(set(failed))[:5],
             "output_tokens": tokens, "wall_s": wall,
             "output_tokens_per_s": tokens / wall if wall else 0.0,
@@ -98,8 +117,8 @@ def summarize(results: list[dict], wall: float) -> dict:
             "accepted_drafts_per_step": acc / steps if steps else None,
             # each request's [start, first token, end] in ms from the first start: which wave a slow first
             # token belongs to, and what the requests around it were doing
-            "per_request_ms": [[round(1e3 * (r["start"] - t0), 1), round(1e3 * (r["start"] - t0 + r["ttft"]), 1),
-                                round(1e3 * (r["start"] - t0 + r["latency"]), 1)] for r in results if "start" in r]}
+            "per_request_ms": spans,
+            "held_requests": held_requests(spans)}
 
 
 def load_prompts(source: str, n: int, tokenizer, raw: bool, seed: int) -> list[str]:

@@ -242,12 +242,12 @@ def serverlib():
 
 
 # The running limit is twice the largest concurrency measured (`max_bs`, also the largest CUDA-graph batch). At a limit
-# equal to the concurrency, SGLang 0.5.17's scheduler sometimes admits one request of a level's second wave only when
-# the rest of that wave has finished: a request slot still held by a finished request makes the prefill pass mark the
-# batch full (`batch_is_full`), and nothing clears the mark until a running request finishes. Every slow c = 64 repeat
-# of the 2026-12-02 and 2026-12-04 FA3 runs had such a request (first token when the others ended), in every kind of
-# arm: c = 64 medians moved by 10-25% with no difference between the servers (docs/benchmarks.md). Clients never
-# exceed the concurrency, so a higher limit changes nothing else.
+# equal to the concurrency, SGLang 0.5.17's scheduler sometimes admitted one request of a level's second wave only when
+# the rest of that wave had finished (likely: a prefill pass that finds no request slot free sets `batch_is_full`,
+# and only a running request finishing clears it). Every slow c = 64 repeat of the 2026-12-02 and 2026-12-04 FA3 runs
+# had such a request (`bench.held_requests`), in every kind of arm: c = 64 medians moved by 10-25% with no difference
+# between the servers (docs/benchmarks.md). Clients never exceed the concurrency, so a higher limit changes nothing
+# else.
 RUNNING_HEADROOM = 2
 
 
@@ -468,9 +468,11 @@ def compare_arms(arms: list[str], levels: list[int], repeats: int, input_len: in
                 tps = [x["output_tokens_per_s"] for x in rows[arm]["levels"][str(c)]]
                 ratio = statistics.median(tps) / statistics.median(
                     x["output_tokens_per_s"] for x in rows[first]["levels"][str(c)])
+                held = [x.get("held_requests", 0) for x in rows[arm]["levels"][str(c)]]
                 print(f"[bench] {arm} c={c}: median {statistics.median(tps):.1f} tok/s (min {min(tps):.1f}, max "
                       f"{max(tps):.1f}); /{first} {ratio:.3f}; accepted drafts/step "
-                      f"{rows[arm]['levels'][str(c)][-1]['accepted_drafts_per_step']}", flush=True)
+                      f"{rows[arm]['levels'][str(c)][-1]['accepted_drafts_per_step']}; requests held back per repeat "
+                      f"{held}", flush=True)
     finally:
         for arm, srv in servers.items():
             srv.stop()

@@ -365,3 +365,26 @@ def test_the_side_by_side_table_gives_medians_their_spread_and_ratios():
     assert "| plugin-mla-chain | 400 (390-430, 0.976x) | 5,100 (4,900-5,300, 1.000x) |" in table
     with pytest.raises(SystemExit, match="nospec"):
         sb.compare_table(state, ["nospec"], "upstream-mla-chain")
+
+
+def test_held_requests_found_in_a_recorded_run():
+    """The FA3 run of 2026-12-04 (docs/bench): at 64 requests under a running limit of 64, SGLang held the last request
+    of a repeat's second wave until the rest had finished in two of the protected arm's repeats and one of the
+    policy's; no request was held in any other repeat at 8-64 requests."""
+    import os
+
+    from sglang_ext.eval import bench
+
+    state = json.load(open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "bench",
+                                        "state-2026-12-04-fa3-policy.json")))
+    held = {(arm, c): [bench.held_requests(r["per_request_ms"]) for r in row["levels"][c]]
+            for arm, row in state["arms"].items() for c in ("8", "32", "64")}
+    assert held.pop(("zero-accept-protected-warm", "64")) == [0, 1, 1]
+    assert held.pop(("chain-protected-decode0", "64")) == [0, 0, 1]
+    assert all(v == [0, 0, 0] for v in held.values()), held
+    # sequential requests (concurrency 1) are never held: none runs beside another
+    assert bench.held_requests([[0, 30, 600], [600, 630, 1200], [1200, 1230, 1800]]) == 0
+    # a request of a wave served only after the others: held; the same request served at once: not
+    wave = [[0, 100, 2000], [0, 110, 2000], [5, 120, 2010], [8, 2015, 3000]]
+    assert bench.held_requests(wave) == 1
+    assert bench.held_requests(wave[:3] + [[8, 130, 2100]]) == 0
