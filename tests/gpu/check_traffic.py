@@ -484,7 +484,8 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
     run = traffic(seconds, seed=0)
     time.sleep(2)
     d, prom = moved(before, ledger(srv)), moved(prom_before, prometheus(srv))
-    return {"first_requests": first, "warmup": warm, **soak_summary(run["minutes"], run["metas"], seconds, d, prom),
+    summary = soak_summary(run["minutes"], run["metas"], seconds, d, prom)
+    return {"first_requests": first, "warmup": warm, **summary, "verdicts": soak_verdicts(summary),
             "first_response_s": run["first_response_s"]}
 
 
@@ -515,6 +516,26 @@ def soak_summary(minutes: dict[int, dict], metas: list[dict], seconds: float, le
             "gpu_mib_first_last": [minutes[full[0]].get("gpu_mib"), minutes[full[-1]].get("gpu_mib")] if full else None,
             "used_tokens_first_last": [minutes[full[0]].get("used_tokens"), minutes[full[-1]].get("used_tokens")]
             if full else None}
+
+
+POOL_BAND = 0.10  # the pool's use follows the requests in flight: a last minute within 10% of the first is no growth
+
+
+def soak_verdicts(v: dict) -> dict:
+    """The soak's criteria, each True / False (None: not measured): no error, every response's invariant, the ledger
+    and /metrics equal to the responses' sums, output tokens/s of every whole minute within 5% of the best, GPU memory
+    no higher in the last whole minute than in the first (the growth and the kernels compiled meanwhile beside it), the
+    pool's used tokens within POOL_BAND of the first minute's."""
+    gpu, pool, jit = v.get("gpu_mib_first_last"), v.get("used_tokens_first_last"), v.get("jit_cache_entries_first_last")
+    known = lambda pair: pair is not None and None not in pair  # noqa: E731
+    return {"no_errors": v["errors"] == 0, "invariant_on_every_response": v["invariant_failures"] == 0,
+            "ledger_equals_responses": v["ledger_equals_responses"],
+            "metrics_equal_responses": v["metrics_equal_responses"],
+            "throughput_within_5pct": None if v["throughput_spread"] is None else v["throughput_spread"] <= 0.05,
+            "gpu_memory_no_growth": gpu[1] <= gpu[0] if known(gpu) else None,
+            "gpu_memory_growth_mib": gpu[1] - gpu[0] if known(gpu) else None,
+            "kernels_compiled_meanwhile": jit[1] - jit[0] if known(jit) else None,
+            "pool_no_growth": pool[1] <= (1 + POOL_BAND) * pool[0] if known(pool) else None}
 
 
 def log_opening(log: str, batches: int = 40) -> list[str]:
@@ -678,6 +699,8 @@ def print_tables(report: dict) -> None:
                   f"{v.get('jit_cache_entries_first_last')}, "
                   f"GPU MiB first/last {v['gpu_mib_first_last']}, used tokens "
                   f"first/last {v['used_tokens_first_last']}")
+            if v.get("verdicts"):
+                print(f"{name} soak criteria: " + ", ".join(f"{k} {x}" for k, x in v["verdicts"].items()))
         for k, v in (r.get("aborts") or {}).items():
             print(f"{name} aborts {k}: counted once {v['counted_once']}, pool back to idle {v['pool_back_to_idle']}, "
                   f"serves after {v['serves_after']}")

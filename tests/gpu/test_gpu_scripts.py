@@ -585,6 +585,19 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
     assert v["gpu_mib_first_last"] == [100, 101] and v["used_tokens_first_last"] == [7, 9] and v["errors"] == 1
     assert v["ledger_equals_responses"] is True and v["metrics_equal_responses"] is False
     assert T.soak_summary(minutes, metas, 125, None, None)["ledger_equals_responses"] is None
+    # the criteria: memory grew 1 MiB (3 kernels compiled meanwhile), the pool within its band, throughput within 5%
+    c = T.soak_verdicts(v)
+    assert c["throughput_within_5pct"] is True and c["no_errors"] is False and c["invariant_on_every_response"]
+    assert c["gpu_memory_no_growth"] is False and c["gpu_memory_growth_mib"] == 1 and c["kernels_compiled_meanwhile"] == 3
+    assert c["pool_no_growth"] is False  # 7 -> 9 tokens is 29% more
+    assert c["ledger_equals_responses"] is True and c["metrics_equal_responses"] is False
+    unmeasured = T.soak_verdicts(T.soak_summary({0: {"tokens": 0, "errors": 0}}, [], 60, None, None))
+    assert unmeasured["throughput_within_5pct"] is None and unmeasured["gpu_memory_no_growth"] is None
+    # the recorded soak of 2026-12-04 (docs/bench), judged: exact counters, but 25% spread and 12 MiB more memory
+    recorded = json.load(open(os.path.join(REPO, "docs", "bench", "traffic-2026-12-04-fa3-soak.json")))["mla-chain"]["soak"]
+    c = T.soak_verdicts(recorded)
+    assert c["ledger_equals_responses"] and c["metrics_equal_responses"] and c["invariant_on_every_response"]
+    assert c["throughput_within_5pct"] is False and c["gpu_memory_growth_mib"] == 12 and c["pool_no_growth"] is True
     assert T.soak_summary({0: {"tokens": 0, "errors": 0}}, [], 60, None, None)["throughput_spread"] is None
 
 
