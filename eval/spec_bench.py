@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import re
 import statistics
@@ -606,8 +607,6 @@ def draft_cycle_bytes(head_cfg: dict, fmt: str, steps: int = STEPS, dtype_bytes:
     runs the head `steps` times (the draft extend over the accepted tokens, then steps - 1 draft steps, as SGLang's
     EAGLE worker does); only the extend projects the target's aux states, so `fc` is read once a cycle; the
     embedding is the target's (one row)."""
-    import math
-
     from sglang_ext.config import Eagle3DraftConfig, weight_map
 
     required, _ = weight_map(fmt).expected(Eagle3DraftConfig.from_dict(head_cfg))
@@ -618,11 +617,12 @@ def draft_cycle_bytes(head_cfg: dict, fmt: str, steps: int = STEPS, dtype_bytes:
 def weight_bytes_bound(target_cfg: dict, head_cfg: dict, fmt: str, accepted: float, steps: int = STEPS) -> dict:
     """Batch 1's speedup bound from the weights read: a step of no speculation reads the target's weights once (T); a
     chain's cycle reads them once to verify steps + 1 tokens (still memory-bound at batch 1) and the head's `steps`
-    times (D each, plus fc once: F), and yields 1 + accepted tokens. Speedup <= (1 + a) T / (T + steps D + F)."""
+    times (D each, plus fc once: F), and yields 1 + accepted tokens. Speedup <= (1 + a) T / (T + steps D + F): the
+    bound of `speedup_bound` with the draft cost per step c = (D + F / steps) / T."""
     t = target_step_bytes(target_cfg)
     d, f = draft_cycle_bytes(head_cfg, fmt, steps)
     return {"target_step_bytes": t, "draft_forward_bytes": d, "fc_bytes": f, "accepted_drafts_per_step": accepted,
-            "bound": (1 + accepted) * t / (t + steps * d + f)}
+            "bound": speedup_bound(accepted, (d + f / steps) / t, steps)}
 
 
 def bound_rows(state: dict, arms: list[str], reference: str = "nospec") -> list[dict]:
@@ -640,15 +640,17 @@ def bound_rows(state: dict, arms: list[str], reference: str = "nospec") -> list[
         if head is None or not row or "1" not in row.get("levels", {}):
             raise SystemExit(f"bound: {arm!r} is not a drafting arm measured at concurrency 1 in this state")
         fmt = head.split("-")[0]
-        a = statistics.median(r["accepted_drafts_per_step"] or 0.0 for r in row["levels"]["1"])
-        b = weight_bytes_bound(target_config(layers), head_config(fmt, layers), fmt, a)
-        tpot = statistics.median(r["tpot_mean_s"] for r in ref["levels"]["1"]) / statistics.median(
-            r["tpot_mean_s"] for r in row["levels"]["1"])
-        tps = statistics.median(r["output_tokens_per_s"] for r in row["levels"]["1"]) / statistics.median(
-            r["output_tokens_per_s"] for r in ref["levels"]["1"])
+        b = weight_bytes_bound(target_config(layers), head_config(fmt, layers), fmt,
+                               _median_at_1(row, "accepted_drafts_per_step"))
+        tpot = _median_at_1(ref, "tpot_mean_s") / _median_at_1(row, "tpot_mean_s")
+        tps = _median_at_1(row, "output_tokens_per_s") / _median_at_1(ref, "output_tokens_per_s")
         rows.append({"arm": arm, **b, "tpot_speedup": tpot, "throughput_speedup": tps,
                      "tpot_speedup/bound": tpot / b["bound"], "throughput_speedup/bound": tps / b["bound"]})
     return rows
+
+
+def _median_at_1(row: dict, key: str) -> float:
+    return statistics.median(r[key] or 0.0 for r in row["levels"]["1"])
 
 
 def bound_table(rows: list[dict]) -> str:

@@ -363,8 +363,9 @@ MARKER_TOKENS = 4  # a request's own tokens before its prompt: no two requests s
 
 
 def request_marker(serial: int) -> list[int]:
-    """Token ids 1-399 (the shared prefix's range) spelling `serial`, 25 billion distinct: repeating the block must not repeat its prompts, or the radix cache holds every prompt after the
-    first pass (the soak of 2026-12-04 found 99% of its prompt tokens cached)."""
+    """Token ids 1-399 (the shared prefix's range) spelling `serial`, 25 billion distinct: repeating the block must not
+    repeat its prompts, or the radix cache holds every prompt after the first pass (the soak of 2026-12-04 found 99% of
+    its prompt tokens cached)."""
     return [1 + (serial // 399 ** i) % 399 for i in range(MARKER_TOKENS)]
 
 
@@ -693,8 +694,9 @@ def print_tables(report: dict) -> None:
             print(f"{name} soak: {v['responses']} responses, {v['errors']} errors, invariant failures "
                   f"{v['invariant_failures']}, ledger = responses {v['ledger_equals_responses']}, /metrics = responses "
                   f"{v['metrics_equal_responses']}, output tok/s per minute {v['output_tokens_per_s_per_minute']} "
-                  f"(spread {v['throughput_spread']}), prompt / cached tokens per minute {v.get('prompt_tokens_per_minute')} / "
-                  f"{v.get('cached_tokens_per_minute')}, accepted drafts per step per minute "
+                  f"(spread {v['throughput_spread']}), prompt / cached tokens per minute "
+                  f"{v.get('prompt_tokens_per_minute')} / {v.get('cached_tokens_per_minute')}, accepted drafts "
+                  f"per step per minute "
                   f"{v.get('accepted_drafts_per_step_per_minute')}, JIT cache entries first/last "
                   f"{v.get('jit_cache_entries_first_last')}, "
                   f"GPU MiB first/last {v['gpu_mib_first_last']}, used tokens "
