@@ -10,6 +10,8 @@ import threading
 import pytest
 from safetensors.torch import save_file
 
+from forkserver import run as python_run  # a fresh interpreter's program, forked from one with SGLang imported
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_TEST = os.path.join(REPO, "sglang_ext", "data", "gsm8k", "test.jsonl")  # the packaged copy
 WORKERS = os.path.join(REPO, "tests", "workers")  # scripts the tests run in processes of their own
@@ -118,11 +120,13 @@ def run_cli():
     return run
 
 
-def run_py(code: str, **env) -> subprocess.CompletedProcess:
-    e = dict(os.environ, **env)
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=REPO,
-                       env=e, timeout=300)
-    return p
+def run_py(code: str, fresh: bool = False, **env) -> subprocess.CompletedProcess:
+    """`code` as `python -c`: in a fork of an interpreter with SGLang imported (tests/forkserver.py), or with
+    `fresh` in a new interpreter (a test of what importing a module imports)."""
+    argv, e = ["-c", textwrap.dedent(code)], dict(os.environ, **env)
+    if fresh:
+        return subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=REPO, env=e, timeout=300)
+    return python_run(argv, env=e, cwd=REPO, timeout=300)
 
 
 def _result(p):

@@ -15,9 +15,12 @@ not move it; an EMA did, and on an H200 a zero-acceptance run then left depth 0 
 of its steps); other depths are read off a line t(k) = t0 + k * d fitted to the measured depths (until two depths were measured, a draft step is
 assumed to cost `prior_draft_cost` of a step at k = 0: the only constant, and only until measured).
 Step times are non-decreasing in k (a step at depth k does a depth-0 step's verify and k draft
-forwards), so t(k) never exceeds a deeper depth's measured time: a low depth's estimate is only
-refreshed while it runs, and a stale one must not keep the policy away from it. For the same reason a
-full window in which nothing was accepted sends the policy to depth 0 whatever the times say.
+forwards), and a depth's time is only refreshed while it runs: where two measured depths disagree with
+that order, the newer measurement wins (a stale low depth is lowered to a deeper depth measured since, a
+stale deep depth raised to a shallower one measured since). Bounding only from above let a depth-3 time
+taken at 86 requests hold the depth-1 time measured at 128 below depth 0's: the policy kept drafting at
+depth 1 for the whole of an H200 soak at 0.04 accepted drafts per step. For the same reason a full window
+in which nothing was accepted sends the policy to depth 0 whatever the times say.
 At k = 0 no acceptance can be measured, so the policy probes the smallest positive depth after
 `probe_every` steps there; each probe that finds speculation still not paying doubles that interval, up to
 `max_probe_every` (a draft that never pays then costs probe_len / max_probe_every of the steps, 0.4% by
@@ -65,6 +68,7 @@ class CostModelPolicy:
         self.window_requests = self.window.maxlen or 64
         self.window_steps = min(window_steps, self.window_requests)
         self.times: dict[int, float] = {}  # depth -> median of its recent step times
+        self._measured_at: dict[int, int] = {}  # depth -> the step its newest time sample came from
         self.by_depth: dict[int, collections.deque] = {}  # depth -> its last steps' accepted drafts (this policy)
         self._samples: dict[int, collections.deque] = {}
         self.time_samples = time_samples
@@ -89,6 +93,7 @@ class CostModelPolicy:
             samples = self._samples.setdefault(depth, collections.deque(maxlen=self.time_samples))
             samples.append(step_seconds)
             self.times[depth] = statistics.median(samples)
+            self._measured_at[depth] = self._steps
         if depth > 0 and accepted:
             step = tuple(min(int(a), depth) for a in accepted)
             self.window.append((depth, step))
@@ -211,15 +216,31 @@ class CostModelPolicy:
                 total += last
         return total
 
-    def step_time(self, k: int) -> float | None:
-        t = self._line_time(k)
-        deeper = [v for d, v in self.times.items() if d > k]
-        return t if t is None or not deeper else min(t, min(deeper))  # never above a deeper depth's time
+    def ordered_times(self) -> dict[int, float]:
+        """The measured step times made non-decreasing in depth, newest first: each depth's median is held
+        between the depths measured after it (the shallower ones below, the deeper ones above)."""
+        out: dict[int, float] = {}
+        for k in sorted(self.times, key=lambda d: -self._measured_at.get(d, 0)):
+            lo = max((t for d, t in out.items() if d < k), default=0.0)
+            hi = min((t for d, t in out.items() if d > k), default=float("inf"))
+            out[k] = min(max(self.times[k], lo), hi)
+        return out
 
-    def _line_time(self, k: int) -> float | None:
-        if k in self.times:
-            return self.times[k]
-        known = sorted(self.times.items())
+    def step_time(self, k: int) -> float | None:
+        times = self.ordered_times()
+        if k in times:
+            return times[k]
+        t = self._line_time(k, times)
+        deeper = [v for d, v in times.items() if d > k]
+        shallower = [v for d, v in times.items() if d < k]
+        if t is not None and deeper:
+            t = min(t, min(deeper))  # never above a deeper depth's time
+        if t is not None and shallower:
+            t = max(t, max(shallower))  # nor below a shallower one's
+        return t
+
+    def _line_time(self, k: int, times: dict[int, float]) -> float | None:
+        known = sorted(times.items())
         if len(known) >= 2:  # least-squares line through the measured depths
             n = len(known)
             mx = sum(x for x, _ in known) / n
@@ -275,9 +296,14 @@ class CostModelPolicy:
 
     def _times_text(self, prefix: str) -> str:
         """The step times a decision used: measured (a median) or read off the model."""
-        parts = [f"k={k}: {1e3 * t:.2f}{'' if t == self.times.get(k) else ' (model)'}"
+        parts = [f"k={k}: {1e3 * t:.2f}{self._time_origin(k, t)}"
                  for k, t in ((k, self.step_time(k)) for k in self.candidates) if t is not None]
         return f"{prefix}step ms {', '.join(parts)}" if parts else ""
+
+    def _time_origin(self, k: int, t: float) -> str:
+        if k not in self.times:
+            return " (model)"
+        return "" if t == self.times[k] else f" (measured {1e3 * self.times[k]:.2f}, bounded by newer depths)"
 
     def _explore(self, depth: int) -> Decision:
         """Measure a cheaper depth's step time (never measured at this batch size) instead of modelling it."""

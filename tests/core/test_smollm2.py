@@ -40,3 +40,64 @@ def test_greedy_speculation_equals_target_greedy_on_smollm2(smollm2, fmt, topk, 
         assert spec.tokens == plain.tokens, (tok.decode(spec.tokens), tok.decode(plain.tokens))
         assert len(spec.tokens) == sum(a + 1 for a in spec.accepted_per_step) + 1
     dec.close()
+
+
+def test_a_gguf_is_read_once_into_a_checked_checkpoint(tmp_path, monkeypatch):
+    """GGUF targets load from a safetensors checkpoint written on first use (transformers reads SmolLM2's GGUF in
+    ~25 s on 2 cores): written once, checked against what the GGUF read, renamed into place only when equal, and
+    written again when the file changes. The GGUF read is a tiny Llama here (transformers' own reader on SmolLM2's
+    file is what every other test of this module loads through)."""
+    import os
+
+    import torch
+    import transformers
+
+    from sglang_ext.core import targets as T
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gguf = tmp_path / "models" / "tiny.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    model, tok = tiny.build_target(tiny.llama_config(num_layers=1, hidden=32, heads=2, kv_heads=1, vocab=512)), \
+        tiny.train_tokenizer(512)
+    reads = []
+    real_model, real_tok = transformers.AutoModelForCausalLM.from_pretrained, transformers.AutoTokenizer.from_pretrained
+
+    def read_model(path, *a, gguf_file=None, **kw):
+        if gguf_file is None:
+            return real_model(path, *a, **kw)
+        reads.append(os.path.join(path, gguf_file))
+        return model
+
+    def read_tok(path, *a, gguf_file=None, **kw):
+        return tok if gguf_file is not None else real_tok(path, *a, **kw)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", read_model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", read_tok)
+    loaded = T.load_target(str(gguf))
+    assert reads == [str(gguf)] and all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items())
+    assert T.load_tokenizer(str(gguf))("a b c").input_ids == tok("a b c").input_ids
+    T.load_target(str(gguf))
+    assert len(reads) == 1  # the checkpoint, not the GGUF
+    (cache,) = os.listdir(T.gguf_cache_root())
+    assert cache.startswith("tiny-")
+    os.utime(gguf, ns=(1, 1))  # the file changed: read again, into a checkpoint of its own
+    T.load_target(str(gguf))
+    assert len(reads) == 2 and len(os.listdir(T.gguf_cache_root())) == 2
+    # a checkpoint that does not read back as the GGUF did is never put in place
+    os.utime(gguf, ns=(2, 2))
+    real_save = transformers.PreTrainedModel.save_pretrained
+
+    def corrupt(self, path, *a, **kw):
+        real_save(self, path, *a, **kw)
+        from safetensors.torch import load_file, save_file
+        w = load_file(os.path.join(path, "model.safetensors"))
+        w["lm_head.weight" if "lm_head.weight" in w else next(iter(w))] += 1
+        save_file(w, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", corrupt)
+    with pytest.raises(RuntimeError, match="reads back"):
+        T.load_target(str(gguf))
+    assert len(os.listdir(T.gguf_cache_root())) == 2  # no third checkpoint, no partial folder left
+    with pytest.raises(FileNotFoundError, match="no such GGUF file"):
+        T.gguf_checkpoint(str(tmp_path / "missing.gguf"))

@@ -604,6 +604,7 @@ def groups_of(arms: list[str], parallel: int, headless_apart: bool = False) -> l
 
 
 def main():
+    os.makedirs(OUT, exist_ok=True)  # the report goes there at the end: a missing folder must not lose a run
     arms = sys.argv[1:] or list(ARMS)
     unknown = [a for a in arms if a not in ARMS]
     if unknown:

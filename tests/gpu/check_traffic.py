@@ -64,8 +64,11 @@ ARMS = {  # name: (head, drafting args, extra server args, env)
     # the plugin's arms must serve or refuse alike; it has no ledger, and its counters are its own
     "upstream-mha-chain": ("mha-upstream", CS.CHAIN, [], {"SGLANG_PLUGINS": "none"}),
 }
-# the soak serves with the protection on whatever the arm (the cost policy may drop drafting at large batches)
-SOAK_ARGS = ["--max-running-requests", "128", "--chunked-prefill-size", "4096", "--speculative-adaptive"]
+# the soak serves with the protection on whatever the arm (the cost policy may drop drafting at large batches). CUDA
+# graphs to the running limit: with check_serving's graphs to 64, every decode batch of 65-128 requests ran eagerly
+# (host-bound, 17-18 ms a depth-0 step, 7-13% GPU busy; 94% of the 2026-12-04 soak's decode batches)
+SOAK_ARGS = ["--max-running-requests", "128", "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32", "64", "96",
+             "128", "--chunked-prefill-size", "4096", "--speculative-adaptive"]
 SOAK_ENV = {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"}
 SOAK_ARM = "mla-chain"  # the soak's arm unless --arms names others: the MLA head, the product's own format
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"type": "string"}},
@@ -93,6 +96,13 @@ def ledger(srv: Server) -> dict | None:
         return None
     return {"requests": d.get("finished_requests", 0), "verify_steps": d.get("verify_steps", 0),
             "accepted_drafts": d.get("accepted_drafts", 0), "aborted": d.get("aborted_requests", 0)}
+
+
+def cuda_memory(srv: Server) -> dict | None:
+    """The scheduler's CUDA allocator counters (the plugin's `sglang_ext_cuda_memory` in /get_server_info; None from
+    a server without it): bytes allocated and reserved, segments."""
+    info = json.loads(srv.get("/get_server_info"))
+    return (info.get("internal_states") or [{}])[0].get("sglang_ext_cuda_memory")
 
 
 def gauge(metrics_text: str, name: str) -> float | None:
@@ -380,30 +390,39 @@ def soak_input_ids(req: dict, prompts: list[list[int]], shared_prefix: list[int]
     return head + (base * (n // len(base) + 1))[:n]
 
 
-def jit_cache_entries() -> int | None:
-    """Kernels compiled on this machine so far (Triton's and FlashInfer's caches): each one loaded adds its code to the
-    GPU's memory, which a soak must tell apart from a leak."""
+def jit_cache_dirs() -> dict[str, str]:
     home = os.path.expanduser("~")
-    dirs = [os.environ.get("TRITON_CACHE_DIR", f"{home}/.triton/cache"), f"{home}/.cache/flashinfer"]
-    found = [d for d in dirs if os.path.isdir(d)]
-    if not found:
-        return None
-    return sum(len(files) for d in found for _, _, files in os.walk(d))
+    return {"triton": os.environ.get("TRITON_CACHE_DIR", f"{home}/.triton/cache"),
+            "flashinfer": os.path.join(os.environ.get("FLASHINFER_WORKSPACE_BASE", home), ".cache", "flashinfer")}
+
+
+def jit_cache_entries(by_cache: bool = False) -> int | dict | None:
+    """Kernels compiled on this machine so far (Triton's and FlashInfer's caches): each one loaded adds its code to the
+    GPU's memory, which a soak must tell apart from a leak. `by_cache`: {cache: entries} of the caches present."""
+    counts = {name: sum(len(files) for _, _, files in os.walk(d))
+              for name, d in jit_cache_dirs().items() if os.path.isdir(d)}
+    if by_cache:
+        return counts
+    return sum(counts.values()) if counts else None
 
 
 def first_requests(srv: Server, prompts: list[list[int]], max_prompt: int) -> dict:
-    """Seconds to serve each kind of request the soak sends, one at a time on the fresh server, before any traffic: a
-    first sampled request or a first long prompt that compiles a kernel shows here, not as a stalled first minute
-    (two soaks waited 92 and 95 s for their first response; the server's own warm-up request is greedy and short)."""
+    """Seconds to serve each kind of request the soak sends, one at a time on the fresh server, before any traffic, and
+    the entries each added to Triton's and FlashInfer's kernel caches: a first sampled request or a first long prompt
+    that compiles a kernel shows here, not as a stalled first minute (a soak's first sampled request took 97 s alone,
+    a greedy one 8 s; the server's own warm-up request is greedy and short)."""
     kinds = {"greedy, 64 tokens": (64, {"temperature": 0}),
              "sampled (T 0.8, top-p 0.95), 64 tokens": (64, {"temperature": 0.8, "top_p": 0.95}),
              f"greedy, {max_prompt} tokens": (max_prompt, {"temperature": 0})}
     out = {}
     for i, (name, (length, sp)) in enumerate(kinds.items()):
         ids = soak_input_ids({"length": length, "shared": False, "prompt": 0}, prompts, [], serial=10 ** 6 + i)
-        t = time.time()
+        before, t = jit_cache_entries(by_cache=True), time.time()
         res = _safe(lambda s, x, sp=sp: generate(s, x, {**sp, "max_new_tokens": 16}), srv, ids)
-        out[name] = {"seconds": round(time.time() - t, 2), **({"error": res["error"]} if "error" in res else {})}
+        after = jit_cache_entries(by_cache=True)
+        out[name] = {"seconds": round(time.time() - t, 2),
+                     "cache_entries_added": {k: after[k] - before.get(k, 0) for k in after},
+                     **({"error": res["error"]} if "error" in res else {})}
     return out
 
 
@@ -460,6 +479,7 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
                 row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
                 row["gpu_mib"] = gpu_memory_mib()
                 row["jit_cache_entries"] = jit_cache_entries()
+                row["cuda_memory"] = cuda_memory(srv)
                 text = srv.get("/metrics")
                 row["used_tokens"] = gauge(text, "num_used_tokens")
                 # running vs queued: SGLang publishes both with each batch it logs, so before the first batch they
@@ -515,8 +535,15 @@ def soak_summary(minutes: dict[int, dict], metas: list[dict], seconds: float, le
             "throughput_spread": (max(per_min) - min(per_min)) / max(per_min) if len(per_min) > 1 and max(per_min)
             else None,
             "gpu_mib_first_last": [minutes[full[0]].get("gpu_mib"), minutes[full[-1]].get("gpu_mib")] if full else None,
+            # the allocator's view of the same two minutes: held by tensors (allocated) vs cached (reserved)
+            **{f"{k}_mib_first_last": [_mib((minutes[m].get("cuda_memory") or {}).get(f"{k}_bytes")) for m in
+                                       (full[0], full[-1])] if full else None for k in ("allocated", "reserved")},
             "used_tokens_first_last": [minutes[full[0]].get("used_tokens"), minutes[full[-1]].get("used_tokens")]
             if full else None}
+
+
+def _mib(n: int | None) -> float | None:
+    return None if n is None else round(n / 2 ** 20, 1)
 
 
 POOL_BAND = 0.10  # the pool's use follows the requests in flight: a last minute within 10% of the first is no growth
@@ -526,8 +553,10 @@ def soak_verdicts(v: dict) -> dict:
     """The soak's criteria, each True / False (None: not measured): no error, every response's invariant, the ledger
     and /metrics equal to the responses' sums, output tokens/s of every whole minute within 5% of the best, GPU memory
     no higher in the last whole minute than in the first (the growth and the kernels compiled meanwhile beside it), the
-    pool's used tokens within POOL_BAND of the first minute's."""
+    pool's used tokens within POOL_BAND of the first minute's; beside the memory verdict, the growth of the bytes the
+    allocator holds for tensors and of what it reserves (None from a soak that did not read them)."""
     gpu, pool, jit = v.get("gpu_mib_first_last"), v.get("used_tokens_first_last"), v.get("jit_cache_entries_first_last")
+    allocated, reserved = v.get("allocated_mib_first_last"), v.get("reserved_mib_first_last")
     known = lambda pair: pair is not None and None not in pair  # noqa: E731
     return {"no_errors": v["errors"] == 0, "invariant_on_every_response": v["invariant_failures"] == 0,
             "ledger_equals_responses": v["ledger_equals_responses"],
@@ -536,6 +565,8 @@ def soak_verdicts(v: dict) -> dict:
             "gpu_memory_no_growth": gpu[1] <= gpu[0] if known(gpu) else None,
             "gpu_memory_growth_mib": gpu[1] - gpu[0] if known(gpu) else None,
             "kernels_compiled_meanwhile": jit[1] - jit[0] if known(jit) else None,
+            "allocated_growth_mib": round(allocated[1] - allocated[0], 1) if known(allocated) else None,
+            "reserved_growth_mib": round(reserved[1] - reserved[0], 1) if known(reserved) else None,
             "pool_no_growth": pool[1] <= (1 + POOL_BAND) * pool[0] if known(pool) else None}
 
 
@@ -575,7 +606,7 @@ def arm_args(name: str, soak: bool = False) -> list[str]:
     if DETERMINISTIC and not soak:
         args.append("--enable-deterministic-inference")
     if soak:
-        args += SOAK_ARGS  # later flags win: the running limit of 128 replaces check_serving's 64
+        args += SOAK_ARGS  # later flags win: the running limit and graphs to 128 replace check_serving's 64
     return args
 
 
@@ -601,6 +632,7 @@ def run_arm(name: str, srv: Server, parts: list[str], prompts: list[list[int]], 
 
 
 def main():
+    os.makedirs(OUT, exist_ok=True)  # the report goes there at the end: a missing folder must not lose a run
     argv = sys.argv[1:]
     arms = list(ARMS)
     if "--arms" in argv:
@@ -699,7 +731,8 @@ def print_tables(report: dict) -> None:
                   f"per step per minute "
                   f"{v.get('accepted_drafts_per_step_per_minute')}, JIT cache entries first/last "
                   f"{v.get('jit_cache_entries_first_last')}, "
-                  f"GPU MiB first/last {v['gpu_mib_first_last']}, used tokens "
+                  f"GPU MiB first/last {v['gpu_mib_first_last']} (allocated {v.get('allocated_mib_first_last')}, "
+                  f"reserved {v.get('reserved_mib_first_last')}), used tokens "
                   f"first/last {v['used_tokens_first_last']}")
             if v.get("verdicts"):
                 print(f"{name} soak criteria: " + ", ".join(f"{k} {x}" for k, x in v["verdicts"].items()))

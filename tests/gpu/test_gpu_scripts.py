@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from conftest import python_run
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CHECK = """
@@ -52,7 +54,7 @@ print(json.dumps({"train": [args.batch_tokens, args.profile_steps, args.max_trai
 @pytest.mark.slow  # a fresh interpreter, SmolLM2 or an end-to-end run: `make test`, not `make test-fast`
 def test_gpu_script_command_lines_parse():
     env = dict(os.environ, GPU_CHECK_EXTRA_ARGS="--enable-fp32-lm-head", GPU_CHECK_WORK="/tmp/gpu-script-check")
-    p = subprocess.run([sys.executable, "-c", CHECK], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    p = python_run(["-c", CHECK], cwd=REPO, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     # the pipeline passes --device cuda: the GPU defaults; TRAIN_MINUTES (5) is cut to what the deadline leaves
@@ -209,10 +211,9 @@ def test_launch_tp_default_arms_exist():
 
     sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
     text = open(os.path.join(REPO, "tests", "gpu", "launch_tp.sh")).read().replace("\\\n", " ")
-    check_arms = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'tests/gpu'); "
-                                 "import check_serving as CS, json; print(json.dumps(list(CS.ARMS)))"],
-                                cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(
-                                    os.environ, GPU_CHECK_WORK="/tmp/gpu-script-check"))
+    check_arms = python_run(["-c", "import sys; sys.path.insert(0, 'tests/gpu'); "
+                             "import check_serving as CS, json; print(json.dumps(list(CS.ARMS)))"],
+                            cwd=REPO, timeout=600, env=dict(os.environ, GPU_CHECK_WORK="/tmp/gpu-script-check"))
     assert check_arms.returncode == 0, check_arms.stderr[-2000:]
     known = set(json.loads(check_arms.stdout.strip().splitlines()[-1]))
     from sglang_ext.eval.spec_bench import ARMS as BENCH
@@ -478,7 +479,7 @@ for name in T.ARMS:
     for soak in (False, True):
         a = p.parse_args(serverlib.launch_args() + T.arm_args(name, soak))
         out[f"{name}{'-soak' if soak else ''}"] = [a.speculative_algorithm, a.speculative_eagle_topk, a.enable_metrics,
-            a.max_running_requests, a.chunked_prefill_size, a.speculative_adaptive]
+            a.max_running_requests, a.chunked_prefill_size, a.speculative_adaptive, max(a.cuda_graph_bs_decode)]
 print(json.dumps(out))
 """
 
@@ -486,16 +487,16 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_traffic_check_command_lines_parse():
     """check_traffic.py's servers, parsed by the installed SGLang's ServerArgs: every arm speculates with metrics on;
-    the soak adds a running limit of 128 under 256 clients, chunked prefill and the protection."""
-    p = subprocess.run([sys.executable, "-c", TRAFFIC], cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, GPU_CHECK_WORK="/tmp/gpu-script-check"))
+    the soak adds a running limit of 128 under 256 clients, chunked prefill and the protection, with decode graphs up to
+    the running limit (graphs to 64 ran 94% of a soak's decode batches eagerly, host-bound at 7-13% GPU busy)."""
+    p = python_run(["-c", TRAFFIC], cwd=REPO, timeout=600, env=dict(os.environ, GPU_CHECK_WORK="/tmp/gpu-script-check"))
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["mha-chain"] == ["EAGLE3", 1, True, 64, r["mha-chain"][4], False]
+    assert r["mha-chain"] == ["EAGLE3", 1, True, 64, r["mha-chain"][4], False, 64]
     assert r["mla-tree"][:3] == ["EAGLE3", 4, True]
     assert r["mha-chain-protected"][5] is True
     assert r["upstream-mha-chain"][:3] == ["EAGLE3", 1, True]  # upstream's own EAGLE3, beside the plugin's arms
-    assert all(v[3] == 128 and v[4] == 4096 and v[5] is True for k, v in r.items() if k.endswith("-soak"))
+    assert all(v[3] == 128 and v[4] == 4096 and v[5] is True and v[6] == 128 for k, v in r.items() if k.endswith("-soak"))
 
 
 def test_traffic_check_judges_responses_streams_and_constrained_output():
@@ -576,8 +577,9 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
                1: {"tokens": 5700, "errors": 1, "gpu_mib": 101, "used_tokens": 9},
                2: {"tokens": 10, "errors": 0, "gpu_mib": 140}}
     moved = {"requests": 3, "verify_steps": 6, "accepted_drafts": 6, "aborted": 0}
-    minutes[0].update(verify_steps=40, accepted_drafts=10, jit_cache_entries=12)
-    minutes[1].update(jit_cache_entries=15)
+    minutes[0].update(verify_steps=40, accepted_drafts=10, jit_cache_entries=12,
+                      cuda_memory={"allocated_bytes": 10 << 20, "reserved_bytes": 20 << 20})
+    minutes[1].update(jit_cache_entries=15, cuda_memory={"allocated_bytes": 10 << 20, "reserved_bytes": 22 << 20})
     v = T.soak_summary(minutes, metas, 125, moved, {"requests": 3, "verify_steps": 6, "accepted_drafts": 5})
     assert v["output_tokens_per_s_per_minute"] == [100.0, 95.0] and abs(v["throughput_spread"] - 0.05) < 1e-9
     assert v["accepted_drafts_per_step_per_minute"] == [0.25, None] and v["jit_cache_entries_first_last"] == [12, 15]
@@ -590,6 +592,7 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
     assert c["throughput_within_5pct"] is True and c["no_errors"] is False and c["invariant_on_every_response"]
     assert c["gpu_memory_no_growth"] is False and c["gpu_memory_growth_mib"] == 1 and c["kernels_compiled_meanwhile"] == 3
     assert c["pool_no_growth"] is False  # 7 -> 9 tokens is 29% more
+    assert c["allocated_growth_mib"] == 0.0 and c["reserved_growth_mib"] == 2.0  # the allocator's cache, not tensors
     assert c["ledger_equals_responses"] is True and c["metrics_equal_responses"] is False
     unmeasured = T.soak_verdicts(T.soak_summary({0: {"tokens": 0, "errors": 0}}, [], 60, None, None))
     assert unmeasured["throughput_within_5pct"] is None and unmeasured["gpu_memory_no_growth"] is None
@@ -599,6 +602,32 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
     assert c["ledger_equals_responses"] and c["metrics_equal_responses"] and c["invariant_on_every_response"]
     assert c["throughput_within_5pct"] is False and c["gpu_memory_growth_mib"] == 12 and c["pool_no_growth"] is True
     assert T.soak_summary({0: {"tokens": 0, "errors": 0}}, [], 60, None, None)["throughput_spread"] is None
+    # with decode graphs to the running limit (2026-12-04, night): exact counters, 15% spread, the first sampled
+    # request alone 97 s against 8 s for a greedy one
+    recorded = json.load(open(os.path.join(REPO, "docs", "bench", "traffic-2026-12-04-fa3-soak-graphs.json")))
+    c = T.soak_verdicts(recorded["mla-chain"]["soak"])
+    assert c["ledger_equals_responses"] and c["metrics_equal_responses"] and c["no_errors"] and c["pool_no_growth"]
+    assert c["throughput_within_5pct"] is False and c["gpu_memory_growth_mib"] == 32 and c["kernels_compiled_meanwhile"] == 0
+    assert c["allocated_growth_mib"] is None  # not read by the check then
+    first = recorded["mla-chain"]["soak"]["first_requests"]
+    assert first["sampled (T 0.8, top-p 0.95), 64 tokens"]["seconds"] > 10 * first["greedy, 64 tokens"]["seconds"]
+
+
+def test_kernel_caches_are_counted_apart(tmp_path, monkeypatch):
+    """The first requests' kernel compiles, per cache: Triton's (TRITON_CACHE_DIR) and FlashInfer's JIT
+    (FLASHINFER_WORKSPACE_BASE/.cache/flashinfer, where flashinfer.jit.env puts it)."""
+    sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+    import check_traffic as T
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path / "fi"))
+    assert T.jit_cache_entries() is None and T.jit_cache_entries(by_cache=True) == {}
+    (tmp_path / "triton" / "k1").mkdir(parents=True)
+    (tmp_path / "triton" / "k1" / "a.cubin").write_text("x")
+    (tmp_path / "fi" / ".cache" / "flashinfer" / "sampling").mkdir(parents=True)
+    for name in ("sampling.so", "sampling.cu"):
+        (tmp_path / "fi" / ".cache" / "flashinfer" / "sampling" / name).write_text("x")
+    assert T.jit_cache_entries(by_cache=True) == {"triton": 1, "flashinfer": 2} and T.jit_cache_entries() == 3
 
 
 def test_serving_check_asks_greedy_equality_only_where_the_target_is_batch_invariant():

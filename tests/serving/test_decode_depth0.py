@@ -6,8 +6,6 @@ decode and samples a known token (the GPU forward is what the benchmark and the 
 
 import dataclasses
 import os
-import subprocess
-import sys
 import types
 
 import pytest
@@ -26,6 +24,7 @@ from sglang.srt.speculative.eagle_info import EagleDraftInput  # noqa: E402
 from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2  # noqa: E402
 
 from sglang_ext.serving import decode_depth0  # noqa: E402
+from conftest import python_run  # noqa: E402
 
 VOCAB, HIDDEN = 50, 12
 
@@ -249,8 +248,7 @@ def test_hooks_name_real_sglang_symbols_and_register_only_with_the_policy():
             "print(hasattr(W.forward_batch_generation, '__wrapped__'), "
             "hasattr(W.build_adaptive_runtime_state, '__wrapped__'))")
     for policy, wrapped in (("cost", "True True"), ("", "False False")):
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                           env=dict(os.environ, SGLANG_EXT_ADAPTIVE_POLICY=policy))
+        p = python_run(["-c", code], timeout=300, env=dict(os.environ, SGLANG_EXT_ADAPTIVE_POLICY=policy))
         assert p.returncode == 0, p.stderr[-3000:]
         assert p.stdout.strip().splitlines()[-1] == wrapped, (policy, p.stdout)
 

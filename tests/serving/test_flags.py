@@ -3,8 +3,6 @@ the scheduler processes read, ahead of an environment value, and reported in /ge
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import types
 
@@ -13,6 +11,7 @@ import pytest
 from sglang_ext import settings
 from sglang_ext.errors import ConfigError
 from sglang_ext.serving import compat
+from conftest import python_run  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,8 +39,7 @@ def test_flags_in_help_and_config_yaml_reach_the_environment(tmp_path):
     cfg.write_text("speculative-adaptive-policy: cost\nspeculative-eagle3-aux-layers: '1,3,5'\n"
                    "speculative-draft-kv-cache-dtype: fp8_e4m3\n")
     env = dict(os.environ, SGLANG_EXT_MLA_VERIFY="decode", SGLANG_EXT_ADAPTIVE_DEPTH0="verify")
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(PARSE), str(cfg)], capture_output=True, text=True,
-                       cwd=REPO, env=env, timeout=300)
+    p = python_run(["-c", textwrap.dedent(PARSE), str(cfg)], cwd=REPO, env=env, timeout=300)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line, p.stdout[-2000:] + p.stderr[-3000:]
     r = json.loads(line[len("RESULT"):])

@@ -4,17 +4,15 @@ both ways; the option's parsing and the plugin's registration."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import WORKERS as HERE  # noqa: E402
+from conftest import WORKERS as HERE, python_run  # noqa: E402
 
 
 def test_verify_as_decode_equals_upstreams_extend_kernel():
-    p = subprocess.run([sys.executable, os.path.join(HERE, "mla_verify_worker.py")], capture_output=True, text=True,
-                       env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)
+    p = python_run([os.path.join(HERE, "mla_verify_worker.py")], env=dict(os.environ, TRITON_INTERPRET="1"),
+                   timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     # query (b, i) reads the prefix and draft tokens 0..i: prefixes 9, 3, 14 with 4 verify tokens each
@@ -31,9 +29,8 @@ def test_hooks_on_sglangs_triton_backend_equal_its_own_verify(drafting):
     after an eager batch replaced the backend's metadata: the server's first tree verify failed so); a
     prefill batch after it is left to upstream."""
     mode = "decode" if drafting == "tree" else ""  # trees only when asked for; chains by default
-    p = subprocess.run([sys.executable, os.path.join(HERE, "mla_verify_backend_worker.py"), drafting],
-                       capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, TRITON_INTERPRET="1", SGLANG_EXT_MLA_VERIFY=mode))
+    p = python_run([os.path.join(HERE, "mla_verify_backend_worker.py"), drafting], timeout=900,
+                   env=dict(os.environ, TRITON_INTERPRET="1", SGLANG_EXT_MLA_VERIFY=mode))
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["upstream_norm"] > 0.1  # a real output, not zeros
@@ -46,8 +43,8 @@ def test_deterministic_mode_verify_rows_equal_plain_decode_bit_for_bit():
     """Under SGLang's --enable-deterministic-inference (KV split by a fixed tile per query), a chain verify
     run as decode queries gives every token exactly the output its plain decode step would: greedy
     speculation then reproduces the target alone token for token, not merely up to bf16 near-ties."""
-    p = subprocess.run([sys.executable, os.path.join(HERE, "mla_verify_backend_worker.py"), "deterministic"],
-                       capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)
+    p = python_run([os.path.join(HERE, "mla_verify_backend_worker.py"), "deterministic"],
+                   env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["upstream_norm"] > 0.1
@@ -111,7 +108,6 @@ def test_plugin_applies_the_hooks_unless_upstreams_kernel_is_asked_for(value, wr
     code = ("from sglang.srt.plugins import load_plugins; load_plugins(); "
             "from sglang.srt.layers.attention.triton_backend import TritonAttnBackend as B; "
             "print(hasattr(B.forward_extend, '__wrapped__'), hasattr(B.init_forward_metadata_out_graph, '__wrapped__'))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, SGLANG_EXT_MLA_VERIFY=value))
+    p = python_run(["-c", code], timeout=300, env=dict(os.environ, SGLANG_EXT_MLA_VERIFY=value))
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split()[-2:] == [str(wrapped), str(wrapped)]

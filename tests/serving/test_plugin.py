@@ -21,7 +21,7 @@ def test_import_is_light():
         import sys, sglang_ext, sglang_ext.config, sglang_ext.settings, sglang_ext.inspect_draft, sglang_ext.plugin
         heavy = [m for m in ("sglang", "torch", "transformers") if m in sys.modules]
         assert not heavy, heavy
-        print("ok")""")
+        print("ok")""", fresh=True)
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr
 
 

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from conftest import stub_server
+from conftest import python_run, stub_server
 from sglang_ext.core import tiny
 from sglang_ext.core.capture import AuxCapture
 from sglang_ext.serving import feature_capture as FC
@@ -167,15 +167,12 @@ def test_train_draft_needs_the_feature_dir_with_a_server():
 
 @pytest.mark.slow  # a fresh interpreter, SmolLM2 or an end-to-end run: `make test`, not `make test-fast`
 def test_plugin_hooks_the_target_load_only_for_a_feature_server(tmp_path):
-    import subprocess
-    import sys
-
     code = ("from sglang.srt.plugins import load_plugins; load_plugins()\n"
             "from sglang.srt.model_executor.model_runner import ModelRunner\n"
             "print('HOOKED', hasattr(ModelRunner.load_model, '__wrapped__'))")
     for value, hooked in (("", "False"), (str(tmp_path), "True")):
         env = dict(os.environ, SGLANG_EXT_FEATURE_DIR=value, SGLANG_PLUGINS="sglang_eagle3_mla")
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        p = python_run(["-c", code], env=env, timeout=300)
         assert f"HOOKED {hooked}" in p.stdout, p.stderr[-2000:]
 
 
