@@ -351,11 +351,16 @@ def metrics_counters(text: str) -> dict:
 LOG_TOTALS = r"finished reqs: (\d+) \(accepted drafts (\d+) over (\d+) verify steps\)"
 
 
+def plugin_state(srv: Server, key: str):
+    """One of the plugin's entries in /get_server_info's first internal state (None: a server without it)."""
+    info = json.loads(srv.get("/get_server_info"))
+    return (info.get("internal_states") or [{}])[0].get(key)
+
+
 def snapshot(srv: Server) -> dict:
     """Every view's totals before our prompts (the server's warmup request is already counted)."""
     prom = metrics_counters(srv.get("/metrics"))
-    info = json.loads(srv.get("/get_server_info"))
-    ledger = (info.get("internal_states") or [{}])[0].get("sglang_ext_acceptance", {})
+    ledger = plugin_state(srv, "sglang_ext_acceptance") or {}
     last = re.findall(LOG_TOTALS, srv.log())
     return {"metrics": {"requests": prom.get("requests", 0.0), "verify_steps": prom.get("verify_steps", 0.0),
                         "accepted_drafts": prom.get("accepted_drafts", 0.0),
@@ -393,8 +398,7 @@ def accounting(rows: list[dict], srv: Server, log: str, base: dict) -> dict:
             positions[i] += c
     time.sleep(2)
     prom = metrics_counters(srv.get("/metrics"))
-    info = json.loads(srv.get("/get_server_info"))
-    ledger = (info.get("internal_states") or [{}])[0].get("sglang_ext_acceptance", {})
+    ledger = plugin_state(srv, "sglang_ext_acceptance") or {}
     last = re.findall(LOG_TOTALS, log)
     sums = {"requests": len(metas), "verify_steps": steps, "accepted_drafts": accepted, "position": positions}
     views = {

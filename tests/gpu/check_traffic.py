@@ -90,8 +90,7 @@ def sums(metas: list[dict]) -> dict:
 
 def ledger(srv: Server) -> dict | None:
     """The plugin's per-process ledger (None: a server without the plugin)."""
-    info = json.loads(srv.get("/get_server_info"))
-    d = (info.get("internal_states") or [{}])[0].get("sglang_ext_acceptance")
+    d = CS.plugin_state(srv, "sglang_ext_acceptance")
     if d is None:
         return None
     return {"requests": d.get("finished_requests", 0), "verify_steps": d.get("verify_steps", 0),
@@ -101,8 +100,7 @@ def ledger(srv: Server) -> dict | None:
 def cuda_memory(srv: Server) -> dict | None:
     """The scheduler's CUDA allocator counters (the plugin's `sglang_ext_cuda_memory` in /get_server_info; None from
     a server without it): bytes allocated and reserved, segments."""
-    info = json.loads(srv.get("/get_server_info"))
-    return (info.get("internal_states") or [{}])[0].get("sglang_ext_cuda_memory")
+    return CS.plugin_state(srv, "sglang_ext_cuda_memory")
 
 
 def gauge(metrics_text: str, name: str) -> float | None:
@@ -396,13 +394,16 @@ def jit_cache_dirs() -> dict[str, str]:
             "flashinfer": os.path.join(os.environ.get("FLASHINFER_WORKSPACE_BASE", home), ".cache", "flashinfer")}
 
 
-def jit_cache_entries(by_cache: bool = False) -> int | dict | None:
+def jit_cache_counts() -> dict[str, int]:
+    """{cache: entries} of the kernel caches present (Triton's, FlashInfer's)."""
+    return {name: sum(len(files) for _, _, files in os.walk(d))
+            for name, d in jit_cache_dirs().items() if os.path.isdir(d)}
+
+
+def jit_cache_entries() -> int | None:
     """Kernels compiled on this machine so far (Triton's and FlashInfer's caches): each one loaded adds its code to the
-    GPU's memory, which a soak must tell apart from a leak. `by_cache`: {cache: entries} of the caches present."""
-    counts = {name: sum(len(files) for _, _, files in os.walk(d))
-              for name, d in jit_cache_dirs().items() if os.path.isdir(d)}
-    if by_cache:
-        return counts
+    GPU's memory, which a soak must tell apart from a leak."""
+    counts = jit_cache_counts()
     return sum(counts.values()) if counts else None
 
 
@@ -417,9 +418,9 @@ def first_requests(srv: Server, prompts: list[list[int]], max_prompt: int) -> di
     out = {}
     for i, (name, (length, sp)) in enumerate(kinds.items()):
         ids = soak_input_ids({"length": length, "shared": False, "prompt": 0}, prompts, [], serial=10 ** 6 + i)
-        before, t = jit_cache_entries(by_cache=True), time.time()
+        before, t = jit_cache_counts(), time.time()
         res = _safe(lambda s, x, sp=sp: generate(s, x, {**sp, "max_new_tokens": 16}), srv, ids)
-        after = jit_cache_entries(by_cache=True)
+        after = jit_cache_counts()
         out[name] = {"seconds": round(time.time() - t, 2),
                      "cache_entries_added": {k: after[k] - before.get(k, 0) for k in after},
                      **({"error": res["error"]} if "error" in res else {})}

@@ -621,13 +621,13 @@ def test_kernel_caches_are_counted_apart(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path / "fi"))
-    assert T.jit_cache_entries() is None and T.jit_cache_entries(by_cache=True) == {}
+    assert T.jit_cache_entries() is None and T.jit_cache_counts() == {}
     (tmp_path / "triton" / "k1").mkdir(parents=True)
     (tmp_path / "triton" / "k1" / "a.cubin").write_text("x")
     (tmp_path / "fi" / ".cache" / "flashinfer" / "sampling").mkdir(parents=True)
     for name in ("sampling.so", "sampling.cu"):
         (tmp_path / "fi" / ".cache" / "flashinfer" / "sampling" / name).write_text("x")
-    assert T.jit_cache_entries(by_cache=True) == {"triton": 1, "flashinfer": 2} and T.jit_cache_entries() == 3
+    assert T.jit_cache_counts() == {"triton": 1, "flashinfer": 2} and T.jit_cache_entries() == 3
 
 
 def test_serving_check_asks_greedy_equality_only_where_the_target_is_batch_invariant():
