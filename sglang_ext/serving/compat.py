@@ -110,6 +110,28 @@ def attention_dp_size(args) -> int:
     return 1
 
 
+def adaptive_unsupported_reason(args) -> str | None:
+    """Why SGLang turns ``--speculative-adaptive`` off on this server (it then serves its fixed draft shape and logs a
+    warning), None where adaptive speculation runs. SGLang's own answer,
+    ``speculative.adaptive_spec_params.adaptive_unsupported_reason`` (0.5.17 - 0.5.23: EAGLE/EAGLE3 only, topk 1,
+    no attention DP, no multi-layer EAGLE, no two-batch overlap, no PD multiplexing), asked of the operator's record
+    (0.5.21+: the raw record, which it reads through its own views). Where that cannot be asked (a record SGLang did
+    not build), the two reasons a DeepseekV3 server meets: a draft tree, attention DP."""
+    try:
+        from sglang.srt.speculative.adaptive_spec_params import adaptive_unsupported_reason as upstream
+
+        return upstream(args)
+    except Exception:  # noqa: BLE001 -- no such function in this release, or not a ServerArgs record
+        pass
+    view = resolved(args)
+    topk = getattr(view, "speculative_eagle_topk", None)
+    if topk is not None and int(topk) != 1:
+        return f"speculative_eagle_topk={topk} (only topk=1 is supported)"
+    if attention_dp_size(view) > 1:
+        return "attention DP is not supported (adaptive tier decisions are not synchronized across DP ranks)"
+    return None
+
+
 # ------------------------------------------------------------------------------------------------- draft KV dtype
 UPSTREAM_DRAFT_KV_FIELD = "speculative_draft_kv_cache_dtype"
 

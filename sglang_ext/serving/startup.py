@@ -76,12 +76,40 @@ def pair_problems(args, s: settings.Settings) -> tuple[list[ConfigError], list[s
     return errors + plan_errors, warnings
 
 
-def option_problems(args, s: settings.Settings) -> tuple[list[ConfigError], list[str]]:
-    """Options that contradict the server's other arguments."""
-    errors, warnings = [], []
+def adaptive_policy_problems(args, s: settings.Settings, record=None) -> tuple[list[ConfigError], list[str]]:
+    """The cost policy decides inside SGLang's adaptive speculation. Where SGLang turns that off (a draft tree,
+    attention DP, ...: it logs a warning and serves its fixed shape), a server asked for the policy would run with no
+    protection at all: refused, with SGLang's reason. Without --speculative-adaptive the option does nothing: a
+    warning."""
+    if s.adaptive_policy != "cost":
+        return [], []
+    option = settings.BY_ATTR["adaptive_policy"]
+    flag = option.flag
+    if getattr(args, "speculative_algorithm", None):
+        reason = compat.adaptive_unsupported_reason(args if record is None else record)
+        if reason:
+            if "topk" in reason:
+                fix = ("serve a chain with the policy (--speculative-adaptive --speculative-eagle-topk 1 "
+                       "--speculative-num-draft-tokens = --speculative-num-steps + 1), or this tree without it "
+                       "(unprotected)")
+            elif "DP" in reason or "dp_attention" in reason:
+                fix = ("serve without attention DP to have the policy, or without the policy (SGLang's fixed draft "
+                       "shape, unprotected) under attention DP")
+            else:
+                fix = f"drop what SGLang names, or serve without {flag} cost"
+            return [ConfigError(option.label, "cost", "the cost policy decides inside SGLang's adaptive speculation, "
+                                f"which SGLang turns off on this server ({reason}): the server would draft at its "
+                                "fixed shape with no protection", fix)], []
+    if not getattr(args, "speculative_adaptive", False):
+        return [], [f"{flag} cost has no effect without --speculative-adaptive"]
+    return [], []
+
+
+def option_problems(args, s: settings.Settings, record=None) -> tuple[list[ConfigError], list[str]]:
+    """Options that contradict the server's other arguments (`record`: the operator's raw ServerArgs where `args` is
+    a view of it)."""
+    errors, warnings = adaptive_policy_problems(args, s, record)
     spec = getattr(args, "speculative_algorithm", None)
-    if s.adaptive_policy == "cost" and not getattr(args, "speculative_adaptive", False):
-        warnings.append(f"{settings.BY_ATTR['adaptive_policy'].flag} cost has no effect without --speculative-adaptive")
     if s.draft_kv_dtype is not None and not spec:
         warnings.append(f"{settings.BY_ATTR['draft_kv_cache_dtype'].flag} {s.draft_kv_cache_dtype} has no effect "
                         "without --speculative-algorithm")
@@ -96,11 +124,12 @@ def option_problems(args, s: settings.Settings) -> tuple[list[ConfigError], list
     return errors, warnings
 
 
-def validate(args) -> None:
-    """Refuse the server (one ConfigError with every problem) or log the warnings; runs once per launch."""
+def validate(args, record=None) -> None:
+    """Refuse the server (one ConfigError with every problem) or log the warnings; runs once per launch. `args`: the
+    resolved server args; `record`: the ServerArgs they were read from, where that is another object (0.5.21+)."""
     s = settings.current()  # an unknown option value is refused here
     errors = hooks.missing_symbols(s)
-    found, warnings = option_problems(args, s)
+    found, warnings = option_problems(args, s, record)
     errors += found
     found, more = pair_problems(args, s)
     errors += found
@@ -122,7 +151,7 @@ def resolve_once_after(result, self, *args, **kwargs):
     if getattr(self, CHECKED, False):  # resolved before (it returns early then), or a child process's copy
         return result
     setattr(self, CHECKED, True)
-    validate(compat.resolved(self))
+    validate(compat.resolved(self), record=self)
     return result
 
 

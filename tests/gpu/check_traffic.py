@@ -23,9 +23,10 @@ side (GPU_CHECK_MAX_TOTAL_TOKENS caps each one's pool), and three parts run:
    reported apart): 256 clients against `--max-running-requests 128`, a mix of requests repeated in blocks of 256
    (`soak_block`: prompt lengths up to GPU_TRAFFIC_MAX_PROMPT tokens, default 32768, capped below the target's
    context, one of that length per block, through chunked prefill; 30% sharing a cached prefix, every other prompt
-   its own; greedy and sampled), the cost protection on: per minute output tokens/s, prompt and cached tokens,
-   accepted drafts per verify step, GPU memory, compiled kernels and pool usage; at the end every response's
-   invariant, and the ledger and /metrics each equal to the sum of meta_info.
+   its own; greedy and sampled), the cost protection on a chain: per minute output tokens/s of the requests that
+   finished and of what the scheduler decoded (its token counter), prompt, cached and prefill-computed tokens,
+   accepted drafts per verify step, GPU memory and the allocator's counters, compiled kernels and pool usage; at the
+   end every response's invariant, and the ledger and /metrics each equal to the sum of meta_info.
 
 Writes $OUT/traffic.json and prints a table per part.
 
@@ -64,12 +65,23 @@ ARMS = {  # name: (head, drafting args, extra server args, env)
     # the plugin's arms must serve or refuse alike; it has no ledger, and its counters are its own
     "upstream-mha-chain": ("mha-upstream", CS.CHAIN, [], {"SGLANG_PLUGINS": "none"}),
 }
-# the soak serves with the protection on whatever the arm (the cost policy may drop drafting at large batches). CUDA
-# graphs to the running limit: with check_serving's graphs to 64, every decode batch of 65-128 requests ran eagerly
-# (host-bound, 17-18 ms a depth-0 step, 7-13% GPU busy; 94% of the 2026-12-04 soak's decode batches)
+# the soak serves a chain with the protection on (the cost policy may drop drafting at large batches); a tree as it is
+# (SGLang's adaptive mode, and so the protection, runs chains only: the startup check refuses the policy on a tree).
+# CUDA graphs to the running limit: with check_serving's graphs to 64, every decode batch of 65-128 requests ran
+# eagerly (host-bound, 17-18 ms a depth-0 step, 7-13% GPU busy; 94% of the 2026-12-04 soak's decode batches)
 SOAK_ARGS = ["--max-running-requests", "128", "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32", "64", "96",
-             "128", "--chunked-prefill-size", "4096", "--speculative-adaptive"]
+             "128", "--chunked-prefill-size", "4096"]
+SOAK_PROTECTION_ARGS = ["--speculative-adaptive"]
 SOAK_ENV = {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"}
+
+
+def is_chain(name: str) -> bool:
+    drafting = ARMS[name][1]
+    return drafting[drafting.index("--speculative-eagle-topk") + 1] == "1"
+
+
+def soak_env(name: str) -> dict:
+    return dict(SOAK_ENV) if is_chain(name) else {}
 SOAK_ARM = "mla-chain"  # the soak's arm unless --arms names others: the MLA head, the product's own format
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"type": "string"}},
           "required": ["answer", "unit"]}
@@ -107,6 +119,36 @@ def gauge(metrics_text: str, name: str) -> float | None:
     """An SGLang gauge from /metrics text (its first series)."""
     m = re.search(rf"^sglang:{name}\{{[^}}]*\}} ([-\d.e+]+)", metrics_text, re.MULTILINE)
     return float(m.group(1)) if m else None
+
+
+def realtime_tokens(metrics_text: str) -> dict[str, float]:
+    """SGLang's scheduler-side token counter, `sglang:realtime_tokens_total`, per mode (decode, prefill_compute,
+    prefill_cache; 0.5.17 - 0.5.23), summed over its series: counted as each batch runs (a decode step adds its batch
+    size plus its accepted drafts), where the responses' counts land when a request finishes."""
+    out: dict[str, float] = {}
+    for mode, value in re.findall(r'^sglang:realtime_tokens_total\{[^}]*mode="([a-z_]+)"[^}]*\} ([-\d.e+]+)',
+                                  metrics_text, re.MULTILINE):
+        out[mode] = out.get(mode, 0.0) + float(value)
+    return out
+
+
+def counter_per_minute(samples: list[tuple[float, dict]], minutes: list[int], key: str) -> list[float | None]:
+    """A counter's increase in each of `minutes` (whole minutes from the soak's start), from (seconds, {key: value})
+    samples taken every ~20 s, read linearly between the samples around each minute's two ends (None where a minute
+    reaches past the samples, or the counter is missing)."""
+    points = [(s, c[key]) for s, c in samples if key in c]
+
+    def at(x: float) -> float | None:
+        for (s0, v0), (s1, v1) in zip(points, points[1:]):
+            if s0 <= x <= s1:
+                return v0 if s1 == s0 else v0 + (v1 - v0) * (x - s0) / (s1 - s0)
+        return None
+
+    out = []
+    for m in minutes:
+        lo, hi = at(60 * m), at(60 * (m + 1))
+        out.append(None if lo is None or hi is None else hi - lo)
+    return out
 
 
 def used_tokens(srv: Server) -> float | None:
@@ -411,8 +453,13 @@ def first_requests(srv: Server, prompts: list[list[int]], max_prompt: int) -> di
     """Seconds to serve each kind of request the soak sends, one at a time on the fresh server, before any traffic, and
     the entries each added to Triton's and FlashInfer's kernel caches: a first sampled request or a first long prompt
     that compiles a kernel shows here, not as a stalled first minute (a soak's first sampled request took 97 s alone,
-    a greedy one 8 s; the server's own warm-up request is greedy and short)."""
+    a greedy one 8 s; the server's own warm-up request is greedy and short). Temperature alone and with top-p apart:
+    SGLang 0.5.17's sampler draws a temperature-only batch with torch.multinomial, one with top-k or top-p through
+    flashinfer.sampling.top_k_top_p_sampling_from_probs, whose module FlashInfer compiles on its first call where no
+    prebuilt copy is installed (flashinfer-jit-cache) -- the suspect, confirmed where only the top-p request adds
+    FlashInfer cache entries."""
     kinds = {"greedy, 64 tokens": (64, {"temperature": 0}),
+             "sampled (T 0.8), 64 tokens": (64, {"temperature": 0.8}),
              "sampled (T 0.8, top-p 0.95), 64 tokens": (64, {"temperature": 0.8, "top_p": 0.95}),
              f"greedy, {max_prompt} tokens": (max_prompt, {"temperature": 0})}
     out = {}
@@ -440,6 +487,7 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
         stop_at = time.time() + duration
         minutes: dict[int, dict] = {}
         metas: list[dict] = []
+        counters: list[tuple[float, dict]] = []  # (seconds from the start, the scheduler's token counters)
         first_response: list[float] = []  # the first finished request's time, set once
         t0 = time.time()
         order, passes, serial, lock = [], [0], [seed], threading.Lock()
@@ -475,25 +523,29 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
                     row["errors"] += 1
 
         def sample():
-            while time.time() < stop_at:
-                minute = int((time.time() - t0) // 60)
+            while True:
+                now = time.time()
+                text = srv.get("/metrics")
+                counters.append((round(now - t0, 2), realtime_tokens(text)))
+                if now >= stop_at:  # a last sample at the stop, so the last whole minute's end is inside the samples
+                    break
+                minute = int((now - t0) // 60)
                 row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
                 row["gpu_mib"] = gpu_memory_mib()
                 row["jit_cache_entries"] = jit_cache_entries()
                 row["cuda_memory"] = cuda_memory(srv)
-                text = srv.get("/metrics")
                 row["used_tokens"] = gauge(text, "num_used_tokens")
                 # running vs queued: SGLang publishes both with each batch it logs, so before the first batch they
                 # read 0 whatever is waiting (the log's opening lines tell that time apart)
                 row.setdefault("running_queued", []).append([gauge(text, "num_running_reqs"),
                                                              gauge(text, "num_queue_reqs")])
-                time.sleep(20)
+                time.sleep(max(0.0, min(20.0, stop_at - time.time())))
 
         with cf.ThreadPoolExecutor(257) as pool:
             futures = [pool.submit(client, k) for k in range(256)] + [pool.submit(sample)]
             for f in futures:
                 f.result()
-        return {"minutes": minutes, "metas": metas,
+        return {"minutes": minutes, "metas": metas, "counters": counters,
                 "first_response_s": round(first_response[0], 1) if first_response else None}
 
     first = first_requests(srv, prompts, max_prompt)
@@ -506,20 +558,29 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
     run = traffic(seconds, seed=0)
     time.sleep(2)
     d, prom = moved(before, ledger(srv)), moved(prom_before, prometheus(srv))
-    summary = soak_summary(run["minutes"], run["metas"], seconds, d, prom)
+    summary = soak_summary(run["minutes"], run["metas"], seconds, d, prom, run["counters"])
     return {"first_requests": first, "warmup": warm, **summary, "verdicts": soak_verdicts(summary),
             "first_response_s": run["first_response_s"]}
 
 
 def soak_summary(minutes: dict[int, dict], metas: list[dict], seconds: float, ledger_moved: dict | None,
-                 metrics_moved: dict | None) -> dict:
+                 metrics_moved: dict | None, counters: list[tuple[float, dict]] | None = None) -> dict:
     """The soak's verdicts from its per-minute rows and its responses: throughput per whole minute (the last one, cut
     by the stop, left out) and its spread, GPU memory and pool usage in the first and last whole minute, and the
-    ledger and /metrics each against the responses' sums."""
+    ledger and /metrics each against the responses' sums. Beside the output tokens of the requests that finished in
+    a minute, the tokens the scheduler decoded and prefilled in it (its counters, `counters`): a spread in the first
+    but not the second is when requests finished, not how fast the server ran."""
     keys = ("requests", "verify_steps", "accepted_drafts")
     full = [m for m in sorted(minutes) if m < seconds // 60]
     per_min = [minutes[m]["tokens"] / 60 for m in full]
+    decoded = counter_per_minute(counters or [], full, "decode")
+    decode_per_s = [None if x is None else round(x / 60, 1) for x in decoded]
     return {"minutes": minutes, "responses": len(metas), "sums": sums(metas), "ledger_moved": ledger_moved,
+            "server_counters": counters,
+            "decoded_tokens_per_s_per_minute": decode_per_s,
+            "prefill_computed_tokens_per_minute": [None if x is None else round(x) for x in
+                                                   counter_per_minute(counters or [], full, "prefill_compute")],
+            "decode_throughput_spread": _spread(decode_per_s),
             "metrics_moved": metrics_moved, "invariant_failures": sum(not invariant_holds(m) for m in metas),
             "ledger_equals_responses": None if ledger_moved is None else
             {k: ledger_moved[k] for k in keys} == sums(metas),
@@ -533,14 +594,20 @@ def soak_summary(minutes: dict[int, dict], metas: list[dict], seconds: float, le
                                                     if minutes[m].get("verify_steps") else None for m in full],
             "jit_cache_entries_first_last": [minutes[full[0]].get("jit_cache_entries"),
                                              minutes[full[-1]].get("jit_cache_entries")] if full else None,
-            "throughput_spread": (max(per_min) - min(per_min)) / max(per_min) if len(per_min) > 1 and max(per_min)
-            else None,
+            "throughput_spread": _spread(per_min),
             "gpu_mib_first_last": [minutes[full[0]].get("gpu_mib"), minutes[full[-1]].get("gpu_mib")] if full else None,
             # the allocator's view of the same two minutes: held by tensors (allocated) vs cached (reserved)
             **{f"{k}_mib_first_last": [_mib((minutes[m].get("cuda_memory") or {}).get(f"{k}_bytes")) for m in
                                        (full[0], full[-1])] if full else None for k in ("allocated", "reserved")},
             "used_tokens_first_last": [minutes[full[0]].get("used_tokens"), minutes[full[-1]].get("used_tokens")]
             if full else None}
+
+
+def _spread(per_minute: list[float | None]) -> float | None:
+    """(max - min) / max over the minutes (None with fewer than two, or any unmeasured)."""
+    if len(per_minute) < 2 or None in per_minute or not max(per_minute):
+        return None
+    return (max(per_minute) - min(per_minute)) / max(per_minute)
 
 
 def _mib(n: int | None) -> float | None:
@@ -563,6 +630,8 @@ def soak_verdicts(v: dict) -> dict:
             "ledger_equals_responses": v["ledger_equals_responses"],
             "metrics_equal_responses": v["metrics_equal_responses"],
             "throughput_within_5pct": None if v["throughput_spread"] is None else v["throughput_spread"] <= 0.05,
+            "decode_throughput_within_5pct": None if v.get("decode_throughput_spread") is None else
+            v["decode_throughput_spread"] <= 0.05,
             "gpu_memory_no_growth": gpu[1] <= gpu[0] if known(gpu) else None,
             "gpu_memory_growth_mib": gpu[1] - gpu[0] if known(gpu) else None,
             "kernels_compiled_meanwhile": jit[1] - jit[0] if known(jit) else None,
@@ -608,6 +677,8 @@ def arm_args(name: str, soak: bool = False) -> list[str]:
         args.append("--enable-deterministic-inference")
     if soak:
         args += SOAK_ARGS  # later flags win: the running limit and graphs to 128 replace check_serving's 64
+        if is_chain(name) and "--speculative-adaptive" not in args:
+            args += SOAK_PROTECTION_ARGS
     return args
 
 
@@ -670,8 +741,8 @@ def main():
     for name in arms:
         CS.prepare_head(ARMS[name][0])
     # the arms' servers side by side (correctness checks, not timings; GPU_CHECK_MAX_TOTAL_TOKENS caps each pool)
-    servers = {name: Server(f"traffic-{name}", arm_args(name, soak), {**ARMS[name][3], **(SOAK_ENV if soak else {})},
-                            port_number=port() + i)
+    servers = {name: Server(f"traffic-{name}", arm_args(name, soak),
+                            {**ARMS[name][3], **(soak_env(name) if soak else {})}, port_number=port() + i)
                for i, name in enumerate(arms)}
     report, reference = {}, None
     try:
@@ -727,7 +798,10 @@ def print_tables(report: dict) -> None:
             print(f"{name} soak: {v['responses']} responses, {v['errors']} errors, invariant failures "
                   f"{v['invariant_failures']}, ledger = responses {v['ledger_equals_responses']}, /metrics = responses "
                   f"{v['metrics_equal_responses']}, output tok/s per minute {v['output_tokens_per_s_per_minute']} "
-                  f"(spread {v['throughput_spread']}), prompt / cached tokens per minute "
+                  f"(spread {v['throughput_spread']}), decoded tok/s per minute (the scheduler's counter) "
+                  f"{v.get('decoded_tokens_per_s_per_minute')} (spread {v.get('decode_throughput_spread')}), "
+                  f"prefill-computed tokens per minute {v.get('prefill_computed_tokens_per_minute')}, "
+                  f"prompt / cached tokens per minute "
                   f"{v.get('prompt_tokens_per_minute')} / {v.get('cached_tokens_per_minute')}, accepted drafts "
                   f"per step per minute "
                   f"{v.get('accepted_drafts_per_step_per_minute')}, JIT cache entries first/last "

@@ -479,7 +479,8 @@ for name in T.ARMS:
     for soak in (False, True):
         a = p.parse_args(serverlib.launch_args() + T.arm_args(name, soak))
         out[f"{name}{'-soak' if soak else ''}"] = [a.speculative_algorithm, a.speculative_eagle_topk, a.enable_metrics,
-            a.max_running_requests, a.chunked_prefill_size, a.speculative_adaptive, max(a.cuda_graph_bs_decode)]
+            a.max_running_requests, a.chunked_prefill_size, a.speculative_adaptive, max(a.cuda_graph_bs_decode),
+            T.soak_env(name).get("SGLANG_EXT_ADAPTIVE_POLICY") if soak else None]
 print(json.dumps(out))
 """
 
@@ -487,16 +488,20 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_traffic_check_command_lines_parse():
     """check_traffic.py's servers, parsed by the installed SGLang's ServerArgs: every arm speculates with metrics on;
-    the soak adds a running limit of 128 under 256 clients, chunked prefill and the protection, with decode graphs up to
-    the running limit (graphs to 64 ran 94% of a soak's decode batches eagerly, host-bound at 7-13% GPU busy)."""
+    the soak adds a running limit of 128 under 256 clients and chunked prefill, with decode graphs up to the running
+    limit (graphs to 64 ran 94% of a soak's decode batches eagerly, host-bound at 7-13% GPU busy), and the protection
+    on a chain only (SGLang runs adaptive mode on chains only; the startup check refuses the policy on a tree)."""
     p = python_run(["-c", TRAFFIC], cwd=REPO, timeout=600, env=dict(os.environ, GPU_CHECK_WORK="/tmp/gpu-script-check"))
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["mha-chain"] == ["EAGLE3", 1, True, 64, r["mha-chain"][4], False, 64]
+    assert r["mha-chain"] == ["EAGLE3", 1, True, 64, r["mha-chain"][4], False, 64, None]
     assert r["mla-tree"][:3] == ["EAGLE3", 4, True]
     assert r["mha-chain-protected"][5] is True
     assert r["upstream-mha-chain"][:3] == ["EAGLE3", 1, True]  # upstream's own EAGLE3, beside the plugin's arms
-    assert all(v[3] == 128 and v[4] == 4096 and v[5] is True and v[6] == 128 for k, v in r.items() if k.endswith("-soak"))
+    soaks = {k: v for k, v in r.items() if k.endswith("-soak")}
+    assert all(v[3] == 128 and v[4] == 4096 and v[6] == 128 for v in soaks.values())
+    assert all((v[5], v[7]) == ((True, "cost") if v[1] == 1 else (False, None)) for v in soaks.values()), soaks
+    assert soaks["mla-tree-soak"][1] == 4 and soaks["mla-chain-soak"][1] == 1
 
 
 def test_traffic_check_judges_responses_streams_and_constrained_output():
@@ -593,6 +598,24 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
     assert c["gpu_memory_no_growth"] is False and c["gpu_memory_growth_mib"] == 1 and c["kernels_compiled_meanwhile"] == 3
     assert c["pool_no_growth"] is False  # 7 -> 9 tokens is 29% more
     assert c["allocated_growth_mib"] == 0.0 and c["reserved_growth_mib"] == 2.0  # the allocator's cache, not tensors
+    assert c["decode_throughput_within_5pct"] is None and v["decoded_tokens_per_s_per_minute"] == [None, None]
+    # the scheduler's own token counter, per minute: /metrics text as SGLang writes it (two series of decode), samples
+    # every 20 s read linearly at the minute boundaries; the responses' 5% spread is 17% in what was decoded
+    text = ('# TYPE sglang:realtime_tokens_total counter\n'
+            'sglang:realtime_tokens_total{model_name="m",mode="decode",tp_rank="0"} 1200.0\n'
+            'sglang:realtime_tokens_total{model_name="m",mode="decode",tp_rank="1"} 300.0\n'
+            'sglang:realtime_tokens_total{model_name="m",mode="prefill_compute",tp_rank="0"} 7.0\n'
+            'sglang:num_used_tokens{model_name="m"} 9.0\n')
+    assert T.realtime_tokens(text) == {"decode": 1500.0, "prefill_compute": 7.0}
+    samples = [(0.0, {"decode": 0.0}), (20.0, {"decode": 2000.0}), (40.0, {"decode": 4000.0}),
+               (70.0, {"decode": 7000.0}), (100.0, {"decode": 9400.0}), (125.3, {"decode": 11424.0})]
+    assert T.counter_per_minute(samples, [0, 1, 2], "decode") == [6000.0, 5000.0, None]  # minute 2 is past the samples
+    counted = T.soak_summary(minutes, metas, 125, moved, None, samples)
+    assert counted["decoded_tokens_per_s_per_minute"] == [100.0, 83.3]
+    assert abs(counted["decode_throughput_spread"] - 0.167) < 1e-9
+    assert counted["prefill_computed_tokens_per_minute"] == [None, None]  # no such counter in these samples
+    judged = T.soak_verdicts(counted)
+    assert judged["throughput_within_5pct"] is True and judged["decode_throughput_within_5pct"] is False
     assert c["ledger_equals_responses"] is True and c["metrics_equal_responses"] is False
     unmeasured = T.soak_verdicts(T.soak_summary({0: {"tokens": 0, "errors": 0}}, [], 60, None, None))
     assert unmeasured["throughput_within_5pct"] is None and unmeasured["gpu_memory_no_growth"] is None

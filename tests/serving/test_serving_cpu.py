@@ -213,6 +213,13 @@ def test_startup_refuses_a_bad_pair_before_loading(tmp_path, monkeypatch):
     assert e.field == "--tp-size" and "draft's 2 attention heads" in e.problem
     # with DP attention the attention splits over tp / dp = 2 ranks: accepted
     startup.validate(args(good, tp_size=4, enable_dp_attention=True, dp_size=2))
+    # ... but the cost policy there: SGLang turns adaptive speculation off under attention DP (no protection would run)
+    monkeypatch.setenv("SGLANG_EXT_ADAPTIVE_POLICY", "cost")
+    dp = dict(tp_size=4, enable_dp_attention=True, dp_size=2, speculative_adaptive=True)
+    e = refusal(args(good, **dp))
+    assert e.field.startswith("--speculative-adaptive-policy") and "attention DP" in e.fix, e
+    startup.validate(args(good, **{**dp, "enable_dp_attention": False, "tp_size": 1}))
+    monkeypatch.delenv("SGLANG_EXT_ADAPTIVE_POLICY")
     # a draft not readable yet (a hub id not in the cache): the capture hook checks it at target load
     startup.validate(args("no-such-org/no-such-draft"))
 
@@ -282,15 +289,15 @@ STARTUP = """
     from sglang.srt.server_args import ServerArgs
     from sglang_ext.serving import compat
     out = {}
-    for name, draft in json.loads(sys.argv[1])["drafts"].items():
+    for name, (draft, extra) in json.loads(sys.argv[1])["drafts"].items():
         try:
             args = ServerArgs(model_path=json.loads(sys.argv[1])["target"], speculative_algorithm="EAGLE3",
-                              speculative_draft_model_path=draft, device="cpu")
+                              speculative_draft_model_path=draft, device="cpu", **extra)
             if compat.at_least("0.5.21"):  # construction no longer resolves: what launchers call next
                 args.resolve_once()
             out[name] = None
         except Exception as e:
-            out[name] = [type(e).__name__, getattr(e, "field", None)]
+            out[name] = [type(e).__name__, getattr(e, "field", None), getattr(e, "problem", str(e))]
     print("RESULT" + json.dumps(out))
 """
 
@@ -305,13 +312,33 @@ def test_sglangs_own_server_args_run_the_startup_check(tmp_path):
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 8,
         "hidden_size": 64, "vocab_size": 100, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
         "v_head_dim": 16, "num_attention_heads": 4, "intermediate_size": 128})
-    drafts = {"good": write_head(tmp_path / "good", "mha", hidden=64, target_hidden=64, vocab=100, draft_vocab=None,
-                                 ids=[1, 3, 5], convention="output"),
-              "bad": write_head(tmp_path / "bad", "mha", hidden=64, target_hidden=64, vocab=128, draft_vocab=None,
-                                ids=[1, 3, 5], convention="output")}
-    code = STARTUP.replace("json.loads(sys.argv[1])", f"json.loads({json.dumps(json.dumps({'target': target, 'drafts': drafts}))})")
-    r = _result(run_py(code))
-    assert r == {"good": None, "bad": ["ConfigError", "draft.vocab_size"]}
+    good = write_head(tmp_path / "good", "mha", hidden=64, target_hidden=64, vocab=100, draft_vocab=None,
+                      ids=[1, 3, 5], convention="output")
+    bad = write_head(tmp_path / "bad", "mha", hidden=64, target_hidden=64, vocab=128, draft_vocab=None,
+                     ids=[1, 3, 5], convention="output")
+    r = _result(run_py(_startup_program(target, {"good": (good, {}), "bad": (bad, {})})))
+    assert r["good"] is None and r["bad"][:2] == ["ConfigError", "draft.vocab_size"]
+    # the cost policy where SGLang turns adaptive speculation off (it would log a warning and serve the tree
+    # unprotected): refused at the same point, with SGLang's reason; a chain is accepted
+    chain = {"speculative_adaptive": True, "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+             "speculative_num_draft_tokens": 4}
+    tree = {**chain, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}
+    cases = {"chain": (good, chain), "tree": (good, tree),
+             "tree, no --speculative-adaptive": (good, {**tree, "speculative_adaptive": False})}
+    r = _result(run_py(_startup_program(target, cases), SGLANG_EXT_ADAPTIVE_POLICY="cost"))
+    assert r["chain"] is None
+    for case in ("tree", "tree, no --speculative-adaptive"):
+        kind, field, problem = r[case]
+        assert (kind, field) == ("ConfigError", "--speculative-adaptive-policy (SGLANG_EXT_ADAPTIVE_POLICY)")
+        assert "speculative_eagle_topk=4" in problem and "no protection" in problem, problem
+    r = _result(run_py(_startup_program(target, {"tree": (good, tree)})))  # without the policy: upstream's fallback
+    assert r["tree"] is None
+
+
+def _startup_program(target: str, drafts: dict) -> str:
+    """STARTUP for `drafts` ({case: (draft dir, extra ServerArgs fields)}) against `target`."""
+    payload = json.dumps(json.dumps({"target": target, "drafts": drafts}))
+    return STARTUP.replace("json.loads(sys.argv[1])", f"json.loads({payload})")
 
 
 def test_an_mla_head_without_q_lora_rank_gets_the_plain_q_layer_and_others_upstreams(monkeypatch):
