@@ -132,6 +132,18 @@ def adaptive_unsupported_reason(args) -> str | None:
     return None
 
 
+def decode_graph_batch_sizes(args) -> list[int] | None:
+    """The decode batch sizes SGLang captures CUDA graphs for, as resolved (None: decode graphs off, or not known).
+    0.5.17 - 0.5.23: ``cuda_graph_config.decode`` (``bs``, ``backend``) of the resolved args (0.5.21+: a
+    declaration, read through `resolved`), filled from --cuda-graph-bs-decode, --cuda-graph-max-bs-decode or the
+    default for the GPU's memory."""
+    decode = getattr(getattr(resolved(args), "cuda_graph_config", None), "decode", None)
+    sizes = getattr(decode, "bs", None)
+    if not sizes or str(getattr(decode, "backend", "")).lower().endswith("disabled"):
+        return None
+    return sorted(int(b) for b in sizes)
+
+
 # ------------------------------------------------------------------------------------------------- draft KV dtype
 UPSTREAM_DRAFT_KV_FIELD = "speculative_draft_kv_cache_dtype"
 

@@ -105,10 +105,32 @@ def adaptive_policy_problems(args, s: settings.Settings, record=None) -> tuple[l
     return [], []
 
 
+def graph_coverage_warnings(args) -> list[str]:
+    """A running limit above the largest decode CUDA graph: batches between the two run every draft and verify forward
+    eagerly. Measured on an H200 (docs/results.md, "Under real traffic"): a soak with graphs to 64 and a limit of 128
+    ran 94% of its decode batches eagerly, 17-18 ms a depth-0 step with the GPU 7-13% busy. Only where the limit was
+    given: SGLang's own (from the KV pool) is known once the pool is built."""
+    if not getattr(args, "speculative_algorithm", None):
+        return []
+    running = getattr(compat.resolved(args), "max_running_requests", None)
+    sizes = compat.decode_graph_batch_sizes(args)
+    if not running or not sizes:
+        return []
+    per_worker = int(running) // compat.attention_dp_size(args)
+    if per_worker <= sizes[-1]:
+        return []
+    return [f"--max-running-requests {running} is above the largest decode CUDA graph ({sizes[-1]} requests"
+            + (f" per attention DP rank, of {per_worker}" if per_worker != int(running) else "")
+            + f"): decode batches of {sizes[-1] + 1}-{per_worker} requests run their draft and verify forwards "
+            f"without CUDA graphs; add {per_worker} to --cuda-graph-bs-decode (or --cuda-graph-max-bs-decode "
+            f"{per_worker}), or lower the running limit"]
+
+
 def option_problems(args, s: settings.Settings, record=None) -> tuple[list[ConfigError], list[str]]:
     """Options that contradict the server's other arguments (`record`: the operator's raw ServerArgs where `args` is
     a view of it)."""
     errors, warnings = adaptive_policy_problems(args, s, record)
+    warnings += graph_coverage_warnings(args)
     spec = getattr(args, "speculative_algorithm", None)
     if s.draft_kv_dtype is not None and not spec:
         warnings.append(f"{settings.BY_ATTR['draft_kv_cache_dtype'].flag} {s.draft_kv_cache_dtype} has no effect "

@@ -158,11 +158,11 @@ def test_the_resolve_once_startup_check_runs_once_per_record(monkeypatch):
     from sglang_ext.serving import startup
 
     seen = []
-    monkeypatch.setattr(startup, "validate", seen.append)
+    monkeypatch.setattr(startup, "validate", lambda args, record=None: seen.append(record))
     record = types.SimpleNamespace(model_path="m")
     startup.resolve_once_after(None, record)
     startup.resolve_once_after(None, record)  # resolved again (it returns early), or a child process's copy
-    assert len(seen) == 1 and getattr(record, startup.CHECKED) is True
+    assert seen == [record] and getattr(record, startup.CHECKED) is True  # the raw record beside its resolved view
 
 
 def test_the_draft_pool_budget_reads_sglangs_draft_kv_dtype_and_leaves_fused_entries_to_sglang(release, monkeypatch):

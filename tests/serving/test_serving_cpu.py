@@ -287,9 +287,15 @@ STARTUP = """
     from sglang.srt.plugins import load_plugins
     load_plugins()
     from sglang.srt.server_args import ServerArgs
+    import logging
     from sglang_ext.serving import compat
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("sglang_ext.serving.startup").addHandler(handler)
     out = {}
     for name, (draft, extra) in json.loads(sys.argv[1])["drafts"].items():
+        warned.clear()
         try:
             args = ServerArgs(model_path=json.loads(sys.argv[1])["target"], speculative_algorithm="EAGLE3",
                               speculative_draft_model_path=draft, device="cpu", **extra)
@@ -298,6 +304,7 @@ STARTUP = """
             out[name] = None
         except Exception as e:
             out[name] = [type(e).__name__, getattr(e, "field", None), getattr(e, "problem", str(e))]
+        out[name + " warnings"] = list(warned)
     print("RESULT" + json.dumps(out))
 """
 
@@ -331,8 +338,18 @@ def test_sglangs_own_server_args_run_the_startup_check(tmp_path):
         kind, field, problem = r[case]
         assert (kind, field) == ("ConfigError", "--speculative-adaptive-policy (SGLANG_EXT_ADAPTIVE_POLICY)")
         assert "speculative_eagle_topk=4" in problem and "no protection" in problem, problem
-    r = _result(run_py(_startup_program(target, {"tree": (good, tree)})))  # without the policy: upstream's fallback
-    assert r["tree"] is None
+    # a running limit above the largest decode graph: a warning naming both and the fix (graphs to 64 with 128
+    # running ran 94% of an H200 soak's decode batches eagerly); none where the graphs reach the limit
+    graphs = {"cuda_graph_bs_decode": [1, 2, 4, 8, 16, 32, 64]}
+    cases = {"tree": (good, tree), "short graphs": (good, {**graphs, "max_running_requests": 128}),
+             "graphs to the limit": (good, {**graphs, "max_running_requests": 64})}
+    r = _result(run_py(_startup_program(target, cases)))
+    assert r["tree"] is None  # without the policy: upstream's fallback to the fixed tree
+    assert r["short graphs"] is None and r["graphs to the limit"] is None
+    (line,) = [w for w in r["short graphs warnings"] if "CUDA graph" in w]
+    assert "--max-running-requests 128" in line and "(64 requests)" in line and "65-128" in line
+    assert "--cuda-graph-bs-decode" in line
+    assert not any("CUDA graph" in w for w in r["graphs to the limit warnings"])
 
 
 def _startup_program(target: str, drafts: dict) -> str:
