@@ -96,6 +96,19 @@ def held_requests(spans: list[list[float]], factor: float = 3.0) -> int:
     return held
 
 
+def first_wave_phases(spans: list[list[float]], concurrency: int) -> dict | None:
+    """Where a repeat's time goes, from its requests' [start, first token, end] (`per_request_ms`): the first
+    `concurrency` requests to start arrive together, so the last first token among them closes their prefill
+    (`prefill_span_ms`, from the first start; it holds every prefill chunk and whatever the server ran between them),
+    and their decode runs from each one's first token to its end (`decode_span_ms`, the mean)."""
+    wave = sorted(spans, key=lambda r: r[0])[:concurrency]
+    if not wave:
+        return None
+    t0 = wave[0][0]
+    return {"prefill_span_ms": round(max(f for _, f, _ in wave) - t0, 1),
+            "decode_span_ms": round(statistics.mean(e - f for _, f, e in wave), 1)}
+
+
 def summarize(results: list[dict], wall: float) -> dict:
     failed = [r["error"] for r in results if "error" in r]
     results = [r for r in results if "error" not in r]

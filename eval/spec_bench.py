@@ -514,6 +514,27 @@ def compare_table(state: dict, arms: list[str], reference: str) -> str:
     return "\n".join(out)
 
 
+def phases_table(state: dict, arms: list[str]) -> str:
+    """The first wave's prefill and decode spans (`bench.first_wave_phases`), medians over repeats, at each level:
+    how much of a gap in output tokens/s is the prefill of the wave arriving together and how much its decode."""
+    from sglang_ext.eval.bench import first_wave_phases
+
+    rows = state.get("arms", {})
+    levels = sorted({int(c) for a in arms for c in rows.get(a, {}).get("levels", {})})
+    out = ["| arm, first wave: prefill span / mean decode span (ms) | " + " | ".join(f"c = {c}" for c in levels)
+           + " |", "|---|" + "---|" * len(levels)]
+    for arm in arms:
+        cells = []
+        for c in levels:
+            phases = [first_wave_phases(r.get("per_request_ms") or [], c)
+                      for r in rows.get(arm, {}).get("levels", {}).get(str(c), [])]
+            phases = [p for p in phases if p]
+            cells.append(f"{statistics.median(p['prefill_span_ms'] for p in phases):,.0f} / "
+                         f"{statistics.median(p['decode_span_ms'] for p in phases):,.0f}" if phases else "—")
+        out.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def profile_levels_of(spec: str | None, arm: str) -> set[int]:
     """--profile-at: "64" profiles every arm at 64 requests; "nospec:1,plugin-chain:64" only those arms; an arm
     named twice ("nospec:1,nospec:32") is profiled at both levels."""
@@ -924,6 +945,8 @@ def main(argv=None) -> int:
     state = json.load(open(state_path)) if os.path.exists(state_path) else {}
     if args.cmd == "table":
         print(compare_table(state, args.arms, args.reference))
+        print()
+        print(phases_table(state, args.arms))
         return 0
     if args.cmd == "bound":
         print(bound_table(bound_rows(state, args.arms, args.reference)))

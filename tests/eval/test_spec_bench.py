@@ -4,6 +4,7 @@ from the schema loading back into the core, the arms' server arguments, and the 
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -371,8 +372,6 @@ def test_held_requests_found_in_a_recorded_run():
     """The FA3 run of 2026-12-04 (docs/bench): at 64 requests under a running limit of 64, SGLang held the last request
     of a repeat's second wave until the rest had finished in two of the protected arm's repeats and one of the
     policy's; no request was held in any other repeat at 8-64 requests."""
-    import os
-
     from sglang_ext.eval import bench
 
     state = json.load(open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "bench",
@@ -388,3 +387,19 @@ def test_held_requests_found_in_a_recorded_run():
     wave = [[0, 100, 2000], [0, 110, 2000], [5, 120, 2010], [8, 2015, 3000]]
     assert bench.held_requests(wave) == 1
     assert bench.held_requests(wave[:3] + [[8, 130, 2100]]) == 0
+
+
+def test_first_wave_phases_split_a_repeat_into_the_waves_prefill_and_decode():
+    from sglang_ext.eval import bench
+
+    # two requests arrive together (the wave at concurrency 2), a third after the first one finished
+    spans = [[0.0, 40.0, 1040.0], [2.0, 90.0, 1090.0], [1040.0, 1070.0, 2000.0]]
+    assert bench.first_wave_phases(spans, 2) == {"prefill_span_ms": 90.0, "decode_span_ms": 1000.0}
+    assert bench.first_wave_phases([], 2) is None
+    # the FA3 run of 2026-12-05 (docs/bench) at 128 requests: the protected server's first wave finishes its prefill
+    # ~90 ms after no speculation's (the draft's extend, ~9.5% of this 16-layer target's prefill) and decodes ~2% slower
+    state = json.load(open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "bench",
+                                        "state-2026-12-05-fa3-protection-c128.json")))
+    table = sb.phases_table(state, ["nospec", "zero-accept-protected-warm"])
+    assert "| nospec | 22 / 1,860 | 69 / 1,909 | 224 / 2,088 | 429 / 2,182 | 823 / 2,473 |" in table, table
+    assert "| zero-accept-protected-warm | 24 / 1,876 | 82 / 1,977 | 247 / 2,144 | 470 / 2,216 | 913 / 2,514 |" in table
