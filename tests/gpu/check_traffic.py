@@ -449,6 +449,12 @@ def jit_cache_entries() -> int | None:
     return sum(counts.values()) if counts else None
 
 
+def progress(text: str) -> None:
+    """A line per phase and per soak minute, as it happens: a run cut short by a time limit still tells where it was
+    (the report itself is printed and written at the end)."""
+    print(f"[traffic] {time.strftime('%H:%M:%S')} {text}", flush=True)
+
+
 def first_requests(srv: Server, prompts: list[list[int]], max_prompt: int) -> dict:
     """Seconds to serve each kind of request the soak sends, one at a time on the fresh server, before any traffic, and
     the entries each added to Triton's and FlashInfer's kernel caches: a first sampled request or a first long prompt
@@ -471,6 +477,7 @@ def first_requests(srv: Server, prompts: list[list[int]], max_prompt: int) -> di
         out[name] = {"seconds": round(time.time() - t, 2),
                      "cache_entries_added": {k: after[k] - before.get(k, 0) for k in after},
                      **({"error": res["error"]} if "error" in res else {})}
+        progress(f"first request alone, {name}: {out[name]}")
     return out
 
 
@@ -489,6 +496,7 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
         metas: list[dict] = []
         counters: list[tuple[float, dict]] = []  # (seconds from the start, the scheduler's token counters)
         first_response: list[float] = []  # the first finished request's time, set once
+        told: set[int] = set()  # the minutes whose progress line was printed
         t0 = time.time()
         order, passes, serial, lock = [], [0], [seed], threading.Lock()
 
@@ -530,6 +538,12 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
                 if now >= stop_at:  # a last sample at the stop, so the last whole minute's end is inside the samples
                     break
                 minute = int((now - t0) // 60)
+                if minute - 1 in minutes and minute - 1 not in told:  # the minute before is whole: what it did
+                    told.add(minute - 1)
+                    done = minutes[minute - 1]
+                    progress(f"soak{'' if seed == 0 else ' warm-up'} minute {minute}: {done['tokens'] / 60:,.0f} "
+                             f"output tok/s, {done['errors']} errors, {done.get('used_tokens')} pool tokens used, "
+                             f"GPU {done.get('gpu_mib')} MiB")
                 row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
                 row["gpu_mib"] = gpu_memory_mib()
                 row["jit_cache_entries"] = jit_cache_entries()
@@ -687,6 +701,7 @@ def run_arm(name: str, srv: Server, parts: list[str], prompts: list[list[int]], 
     if not srv.wait_ready(600):
         return {"started": False, "error": srv.last_error(), "log_tail": srv.log()[-3000:]}
     row = {"started": True, "start_s": round(srv.ready_s)}
+    progress(f"{name}: server ready in {row['start_s']} s")
     if "options" in parts:
         row["options"] = part_options(srv, prompts, tokenizer, reference)
     if "aborts" in parts:
@@ -731,6 +746,8 @@ def main():
     target = (Server("traffic-target", arm_args("target"), {}, port_number=port() + len(ARMS))
               if DETERMINISTIC and "options" in parts and not soak else None)  # a soak server runs SGLang's defaults
     trainer = CS.train_heads()
+    if trainer is not None:
+        progress(f"training the heads not in {CS.WORK} yet ({CS.WORK}/train.log)")
     if trainer is not None and trainer.wait() != 0:
         if target is not None:
             target.stop()
