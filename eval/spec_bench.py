@@ -116,8 +116,18 @@ PRIORITY = ["nospec", "zero-accept-protected-warm", "low-accept-protected-decode
 
 
 # ------------------------------------------------------------------------------------ build
-def target_config(layers: int) -> dict:
-    return dict(KIMI, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_hidden_layers=layers,
+# DeepSeek-V3's own checkpoint format (its config.json): fp8 e4m3 linear weights with a float32 scale per 128 x 128
+# block, activations quantized per token group at run time; embeddings, norms and the LM head stay bf16. Half the
+# bytes of bf16: a 61-layer target fits one 80 GB card.
+FP8_BLOCK = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+TARGET_WEIGHTS = ("bf16", "fp8")
+
+
+def target_config(layers: int, weights: str = "bf16") -> dict:
+    if weights not in TARGET_WEIGHTS:
+        raise ValueError(f"target weights {weights!r}: choose one of {', '.join(TARGET_WEIGHTS)}")
+    extra = {"quantization_config": dict(FP8_BLOCK)} if weights == "fp8" else {}
+    return dict(KIMI, **extra, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_hidden_layers=layers,
                 num_key_value_heads=KIMI["num_attention_heads"], first_k_dense_replace=layers, moe_layer_freq=1,
                 n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=2048,
                 n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5,
@@ -187,12 +197,14 @@ def upstream_copy(src: str, dst: str) -> None:
     json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=1)
 
 
-def build(layers: int, device: str = "cuda") -> dict:
+def build(layers: int, device: str = "cuda", weights: str = "bf16") -> dict:
+    """The target's config (weights dummy-loaded by every server: `--load-format dummy`), its tokenizer, and random
+    heads of both formats (bf16 whatever the target's weights, as trained heads ship)."""
     from sglang_ext.core import tiny
 
     t = time.time()
     os.makedirs(f"{WORK}/target", exist_ok=True)
-    json.dump(target_config(layers), open(f"{WORK}/target/config.json", "w"), indent=1)
+    json.dump(target_config(layers, weights), open(f"{WORK}/target/config.json", "w"), indent=1)
     tok = tiny.train_tokenizer(512)
     tok.save_pretrained(f"{WORK}/target")
     json.dump({"eos_token_id": tok.eos_token_id, "do_sample": False}, open(f"{WORK}/target/generation_config.json", "w"))
@@ -201,7 +213,7 @@ def build(layers: int, device: str = "cuda") -> dict:
         params[fmt] = write_head(f"{WORK}/head-{fmt}", head_config(fmt, layers), fmt, device)
         tok.save_pretrained(f"{WORK}/head-{fmt}")
     upstream_copy(f"{WORK}/head-mha", f"{WORK}/head-mha-upstream")
-    return {"layers": layers, "head_params": params, "build_s": time.time() - t}
+    return {"layers": layers, "target_weights": weights, "head_params": params, "build_s": time.time() - t}
 
 
 # --------------------------------------------------------------------------------- measure
@@ -607,7 +619,10 @@ def target_step_bytes(cfg: dict, dtype_bytes: int = 2) -> int:
     """Weight bytes a DeepseekV3 (MLA) target reads in one decode step at batch 1: every layer's attention and MLP --
     dense, or the shared experts, the router and the `num_experts_per_tok` routed experts one token selects -- the
     norms and the LM head; of the embedding one row, not counted. At batch 1 and the prompt lengths benchmarked the
-    KV cache read is a fraction of a percent of this (16 layers x 1,152 B a token), so weights alone bound a step."""
+    KV cache read is a fraction of a percent of this (16 layers x 1,152 B a token), so weights alone bound a step.
+    With fp8 block weights (`FP8_BLOCK`) the layers' matrices count 1 byte a weight plus their 128 x 128 blocks'
+    float32 scales, the norms and the LM head `dtype_bytes` (kv_b_proj counted as stored, though SGLang may keep its
+    two halves in another dtype after loading)."""
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     q = h * cfg["q_lora_rank"] + cfg["q_lora_rank"] * (1 + heads * qk) if cfg.get("q_lora_rank") else h * heads * qk
@@ -619,8 +634,14 @@ def target_step_bytes(cfg: dict, dtype_bytes: int = 2) -> int:
            * (cfg.get("n_shared_experts", 0) + cfg.get("num_experts_per_tok", 0)))
     layers = cfg["num_hidden_layers"]
     n_dense = min(cfg.get("first_k_dense_replace", layers), layers)
-    params = layers * attention + n_dense * dense + (layers - n_dense) * moe + h + cfg["vocab_size"] * h
-    return dtype_bytes * params
+    norms = 2 * h + (cfg["q_lora_rank"] if cfg.get("q_lora_rank") else 0) + cfg["kv_lora_rank"]
+    matrices = layers * (attention - norms) + n_dense * dense + (layers - n_dense) * moe
+    plain = layers * norms + h + cfg["vocab_size"] * h
+    quant = cfg.get("quantization_config") or {}
+    if quant.get("quant_method") == "fp8" and quant.get("weight_block_size"):
+        bh, bw = quant["weight_block_size"]
+        return matrices + math.ceil(4 * matrices / (bh * bw)) + dtype_bytes * plain
+    return dtype_bytes * (matrices + plain)
 
 
 def draft_cycle_bytes(head_cfg: dict, fmt: str, steps: int = STEPS, dtype_bytes: int = 2) -> tuple[int, int]:
@@ -650,7 +671,7 @@ def bound_rows(state: dict, arms: list[str], reference: str = "nospec") -> list[
     """Each chain arm at concurrency 1 against the weight-bytes bound: the bound at the arm's measured acceptance,
     and what it achieved as the ratio of time per output token (what the bound is about) and of throughput (which
     also counts prefill and the client's time between requests)."""
-    layers = state["build"]["layers"]
+    layers, weights = state["build"]["layers"], state["build"].get("target_weights", "bf16")
     ref = state["arms"].get(reference)
     if not ref or "1" not in ref.get("levels", {}):
         raise SystemExit(f"bound: the state has no {reference!r} arm measured at concurrency 1")
@@ -661,7 +682,7 @@ def bound_rows(state: dict, arms: list[str], reference: str = "nospec") -> list[
         if head is None or not row or "1" not in row.get("levels", {}):
             raise SystemExit(f"bound: {arm!r} is not a drafting arm measured at concurrency 1 in this state")
         fmt = head.split("-")[0]
-        b = weight_bytes_bound(target_config(layers), head_config(fmt, layers), fmt,
+        b = weight_bytes_bound(target_config(layers, weights), head_config(fmt, layers), fmt,
                                _median_at_1(row, "accepted_drafts_per_step"))
         tpot = _median_at_1(ref, "tpot_mean_s") / _median_at_1(row, "tpot_mean_s")
         tps = _median_at_1(row, "output_tokens_per_s") / _median_at_1(ref, "output_tokens_per_s")
@@ -864,6 +885,9 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("--layers", type=int, default=16)
+    b.add_argument("--target-weights", choices=TARGET_WEIGHTS, default="bf16",
+                   help="the target's weight format: bf16, or fp8 in 128 x 128 blocks as DeepSeek-V3 ships (half the "
+                        "memory: 61 layers fit an 80 GB card); the heads stay bf16")
     r = sub.add_parser("run")
     r.add_argument("arms", nargs="+", choices=list(ARMS))
     r.add_argument("--concurrency", default="1,8,32,64,128")
@@ -907,6 +931,7 @@ def main(argv=None) -> int:
     rp.add_argument("--out", default="docs/benchmarks.md")
     al = sub.add_parser("all", help="build, run ARMS (default: all, in priority order) and report")
     al.add_argument("--layers", type=int, default=16)
+    al.add_argument("--target-weights", choices=TARGET_WEIGHTS, default="bf16", help="as for build")
     al.add_argument("--out", default="docs/benchmarks.md")
     for a in r._actions[1:]:  # the run options
         if a.dest != "arms":
@@ -923,12 +948,17 @@ def main(argv=None) -> int:
         if os.path.exists(f"{WORK}/state.json"):
             state = json.load(open(f"{WORK}/state.json"))
         built = all(os.path.exists(f"{WORK}/{d}/config.json") for d in ("target", "head-mha", "head-mla"))
+        if built and "build" in state and (state["build"].get("layers"), state["build"].get("target_weights", "bf16")) \
+                != (args.layers, args.target_weights):
+            ap.error(f"{WORK} holds a {state['build'].get('layers')}-layer "
+                     f"{state['build'].get('target_weights', 'bf16')} target, not --layers {args.layers} "
+                     f"--target-weights {args.target_weights}: set SPEC_BENCH_WORK to another directory, or run build")
         if "build" not in state or not built:  # own process: this one must hold no GPU memory while servers run
             import subprocess
 
             # -P: no working directory first on the path (a checkout's root would hide an installed sglang_ext)
             subprocess.run([sys.executable, "-P", "-m", "sglang_ext.eval.spec_bench", "build",
-                            "--layers", str(args.layers)], check=True)
+                            "--layers", str(args.layers), "--target-weights", args.target_weights], check=True)
         state = json.load(open(f"{WORK}/state.json"))
         todo = arms_to_run(state, args.arms or PRIORITY, [a for a in args.redo.split(",") if a])
         run_opts = ["--concurrency", args.concurrency, "--repeats", str(args.repeats), "--input-len",
@@ -952,7 +982,7 @@ def main(argv=None) -> int:
         print(bound_table(bound_rows(state, args.arms, args.reference)))
         return 0
     if args.cmd == "build":
-        state["build"] = build(args.layers)
+        state["build"] = build(args.layers, weights=args.target_weights)
         print(json.dumps(state["build"]))
     elif args.cmd == "compare":
         rows = compare_arms(args.arms, [int(c) for c in args.concurrency.split(",")], args.repeats, args.input_len,

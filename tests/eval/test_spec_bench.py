@@ -36,6 +36,35 @@ def test_target_step_bytes_are_the_weights_one_token_reads(layers, dense):
     assert sb.target_step_bytes(cfg) == 2 * active
 
 
+def test_an_fp8_target_is_deepseek_v3s_block_format_at_half_the_bytes():
+    """`build --target-weights fp8`: the quantization_config DeepSeek-V3 ships, which SGLang's own ModelConfig reads as
+    fp8; the bytes a step reads count the layers' matrices at 1 byte plus a float32 scale per 128 x 128 block (against
+    transformers' DeepseekV3 on the meta device), the norms and the LM head at 2."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    cfg = sb.target_config(61, "fp8")
+    assert cfg["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                          "weight_block_size": [128, 128]}
+    assert "quantization_config" not in sb.target_config(61)
+    with pytest.raises(ValueError, match="'int4'.*bf16, fp8"):
+        sb.target_config(61, "int4")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(DeepseekV3Config(**{k: v for k, v in sb.target_config(2).items()
+                                                                       if k != "architectures"}))
+    matrices = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
+    plain = sum(p.numel() for n, p in model.named_parameters()
+                if "embed_tokens" not in n and not (".layers." in n and p.dim() == 2))
+    fp8 = sb.target_step_bytes(sb.target_config(2, "fp8"))
+    assert matrices + 2 * plain < fp8 < matrices * (1 + 4 / 128 ** 2) + 2 * plain + 64
+    assert 0.5 < sb.target_step_bytes(sb.target_config(61, "fp8")) / sb.target_step_bytes(sb.target_config(61)) < 0.53
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+        assert ModelConfig(d).quantization == "fp8"
+
+
 def test_weight_bytes_bound_of_the_benchmark_pair():
     fmt = "mha"
     d, f = sb.draft_cycle_bytes(sb.head_config(fmt, 16), fmt)
@@ -403,3 +432,20 @@ def test_first_wave_phases_split_a_repeat_into_the_waves_prefill_and_decode():
     table = sb.phases_table(state, ["nospec", "zero-accept-protected-warm"])
     assert "| nospec | 22 / 1,860 | 69 / 1,909 | 224 / 2,088 | 429 / 2,182 | 823 / 2,473 |" in table, table
     assert "| zero-accept-protected-warm | 24 / 1,876 | 82 / 1,977 | 247 / 2,144 | 470 / 2,216 | 913 / 2,514 |" in table
+
+
+def test_all_refuses_a_work_directory_built_for_another_target(tmp_path, monkeypatch, capsys):
+    """`all --layers 61` over a work directory holding the 16-layer build would have measured the 16-layer target."""
+    for d in ("target", "head-mha", "head-mla"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "config.json").write_text("{}")
+    (tmp_path / "state.json").write_text(json.dumps({"build": {"layers": 16}, "arms": {}}))
+    monkeypatch.setattr(sb, "WORK", str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        sb.main(["all", "--layers", "61", "nospec"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "holds a 16-layer bf16 target, not --layers 61 --target-weights bf16" in err and "SPEC_BENCH_WORK" in err
+    with pytest.raises(SystemExit):
+        sb.main(["all", "--layers", "16", "--target-weights", "fp8", "nospec"])
+    assert "not --layers 16 --target-weights fp8" in capsys.readouterr().err
