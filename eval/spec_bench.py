@@ -126,8 +126,9 @@ TARGET_WEIGHTS = ("bf16", "fp8")
 def target_config(layers: int, weights: str = "bf16") -> dict:
     if weights not in TARGET_WEIGHTS:
         raise ValueError(f"target weights {weights!r}: choose one of {', '.join(TARGET_WEIGHTS)}")
-    extra = {"quantization_config": dict(FP8_BLOCK)} if weights == "fp8" else {}
-    return dict(KIMI, **extra, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_hidden_layers=layers,
+    quant = {"quantization_config": dict(FP8_BLOCK)} if weights == "fp8" else {}
+    return dict(KIMI, **quant, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                num_hidden_layers=layers,
                 num_key_value_heads=KIMI["num_attention_heads"], first_k_dense_replace=layers, moe_layer_freq=1,
                 n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=2048,
                 n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5,
@@ -948,11 +949,11 @@ def main(argv=None) -> int:
         if os.path.exists(f"{WORK}/state.json"):
             state = json.load(open(f"{WORK}/state.json"))
         built = all(os.path.exists(f"{WORK}/{d}/config.json") for d in ("target", "head-mha", "head-mla"))
-        if built and "build" in state and (state["build"].get("layers"), state["build"].get("target_weights", "bf16")) \
-                != (args.layers, args.target_weights):
-            ap.error(f"{WORK} holds a {state['build'].get('layers')}-layer "
-                     f"{state['build'].get('target_weights', 'bf16')} target, not --layers {args.layers} "
-                     f"--target-weights {args.target_weights}: set SPEC_BENCH_WORK to another directory, or run build")
+        build_ = state.get("build")
+        have = (build_.get("layers"), build_.get("target_weights", "bf16")) if build_ else None
+        if built and have and have != (args.layers, args.target_weights):
+            ap.error(f"{WORK} holds a {have[0]}-layer {have[1]} target, not --layers {args.layers} --target-weights "
+                     f"{args.target_weights}: set SPEC_BENCH_WORK to another directory, or run build")
         if "build" not in state or not built:  # own process: this one must hold no GPU memory while servers run
             import subprocess
 
