@@ -86,10 +86,15 @@ class CostModelPolicy:
         self.last_reason = "initial"
 
     # --------------------------------------------------------------------------------- inputs
-    def observe(self, depth: int, accepted: list[int], step_seconds: float | None) -> Decision:
+    def observe(self, depth: int, accepted: list[int], step_seconds: float | None,
+                before_probe: bool = False) -> Decision:
         """One verify step of a batch at `depth` (what ran; under SGLang's overlap scheduler it may
-        lag the current choice by a step), its per-request accepted drafts and its wall time."""
-        if step_seconds is not None and step_seconds > 0:
+        lag the current choice by a step), its per-request accepted drafts and its wall time.
+        `before_probe`: a depth-0 step that also ran the work a probe needs first (the draft extend, in the
+        `needs_draft_state` lead): its time is not what a depth-0 step costs and is not recorded as depth 0's. In
+        an H100 soak those steps took 18 ms against depth 0's 9 ms, filled depth 0's median just before each probe
+        was judged, and the policy drafted at a loss for whole minutes after probes."""
+        if step_seconds is not None and step_seconds > 0 and not (before_probe and depth == 0):
             samples = self._samples.setdefault(depth, collections.deque(maxlen=self.time_samples))
             samples.append(step_seconds)
             self.times[depth] = statistics.median(samples)

@@ -17,7 +17,8 @@ Extends (hooks registered by sglang_ext.plugin), SGLang 0.5.17:
     ``process_batch_result_prefill`` / ``process_batch_result_idle`` (AFTER) -- the step clock:
     wall time between consecutive decode results with nothing else processed in between, and the
     depth each result really ran (``speculative_num_draft_tokens - 1``; under the overlap scheduler
-    the slot's current depth may already be the next one).
+    the slot's current depth may already be the next one); a depth-0 step that ran the draft extend only
+    because a probe follows is not timed as depth 0 (``decode_depth0.lead_step``).
 """
 
 from __future__ import annotations
@@ -92,8 +93,11 @@ def slot_update(original_fn, self, num_correct_drafts_per_req):
     if policy is None:
         policy = self._sglang_ext_policy = CostModelPolicy(self.candidate_steps, self.current_steps,
                                                            window=SHARED_WINDOW)
+    from sglang_ext.serving import decode_depth0  # imports this module
+
     depth = CLOCK.depth if CLOCK.depth is not None else self.current_steps
-    decision = policy.observe(depth, list(num_correct_drafts_per_req or []), CLOCK.seconds)
+    before_probe = depth == 0 and decode_depth0.lead_step(policy)
+    decision = policy.observe(depth, list(num_correct_drafts_per_req or []), CLOCK.seconds, before_probe)
     summary = _summary(self, policy, depth, len(num_correct_drafts_per_req or []))
     if summary:
         _log(f"[sglang_ext] adaptive speculation summary: {summary}")

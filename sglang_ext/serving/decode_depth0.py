@@ -98,6 +98,12 @@ def draft_extend_now(worker, batch_size: int) -> bool:
     return policy is None or policy.needs_draft_state(WARM_LEAD_STEPS)
 
 
+def lead_step(policy) -> bool:
+    """Whether this slot's depth-0 step runs the draft extend only because a probe follows (warm mode): the cost
+    policy then keeps the step's time out of depth 0's (CostModelPolicy.observe, before_probe)."""
+    return enabled() and extend_mode() == "warm" and policy.depth == 0 and policy.needs_draft_state(WARM_LEAD_STEPS)
+
+
 def hidden_mode():
     """What the depth-0 target step captures: the aux hidden states only when the draft extend reads them."""
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode

@@ -19,11 +19,12 @@ side (GPU_CHECK_MAX_TOTAL_TOKENS caps each one's pool), and three parts run:
    (`sglang:num_used_tokens` read from /metrics before and after; SGLang's own idle leak check would also stop
    the server).
 3. `soak` (GPU_TRAFFIC_SOAK_S seconds, default 600, after one request of each kind timed alone on the fresh server
-   and GPU_TRAFFIC_SOAK_WARMUP_S seconds of the same traffic, default 60, whose first response time and count are
-   reported apart): 256 clients against `--max-running-requests 128`, a mix of requests repeated in blocks of 256
-   (`soak_block`: prompt lengths up to GPU_TRAFFIC_MAX_PROMPT tokens, default 32768, capped below the target's
-   context, one of that length per block, through chunked prefill; 30% sharing a cached prefix, every other prompt
-   its own; greedy and sampled), the cost protection on a chain: per minute output tokens/s of the requests that
+   and GPU_TRAFFIC_SOAK_WARMUP_S seconds of the same traffic just before, default 60, whose first response time and
+   count are reported apart): 256 clients against `--max-running-requests 128`, client k sending request k of a block
+   of 256 again and again (`soak_block`: prompt lengths up to GPU_TRAFFIC_MAX_PROMPT tokens, default 32768, capped
+   below the target's context, one of that length per block, through chunked prefill; 30% sharing a cached prefix,
+   every other prompt its own; greedy and sampled), so the same mix is in flight every minute, the cost protection on
+   a chain: per minute output tokens/s of the requests that
    finished and of what the scheduler decoded (its token counter), prompt, cached and prefill-computed tokens,
    accepted drafts per verify step, GPU memory and the allocator's counters, compiled kernels and pool usage; at the
    end every response's invariant, and the ledger and /metrics each equal to the sum of meta_info.
@@ -482,10 +483,12 @@ def first_requests(srv: Server, prompts: list[list[int]], max_prompt: int) -> di
 
 
 def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt: int, warmup: float = 0) -> dict:
-    """The soak's traffic for `warmup` seconds (its responses kept apart: a fresh server's first minute holds its
-    one-time costs -- kernels compiled on first use of a shape or a sampler, the first visit to each batch size --
-    which are reported, not averaged into the steady state), then for `seconds`, measured. 256 clients take the next
-    request of the repeated `soak_block` in turn."""
+    """One stretch of the soak's traffic: `warmup` seconds (rounded up to whole minutes; its responses reported apart:
+    a fresh server's first minutes hold its one-time costs -- kernels compiled on first use of a shape or a sampler,
+    the first visit to each batch size), then `seconds` measured, with no pause between them, so the measured minutes
+    start in the steady state rather than from a drained server. Client k of 256 sends request k of `soak_block`
+    again and again (`client_request`), each time with its own marker: the mix in flight is the same in every minute.
+    The ledger and /metrics are compared with every response of the stretch, warm-up included."""
     rng = random.Random(0)
     shared = [rng.randrange(1, 400) for _ in range(min(2048, max_prompt // 2))]
     block = soak_block(max_prompt, len(prompts))
@@ -498,20 +501,17 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
         first_response: list[float] = []  # the first finished request's time, set once
         told: set[int] = set()  # the minutes whose progress line was printed
         t0 = time.time()
-        order, passes, serial, lock = [], [0], [seed], threading.Lock()
+        serial, lock = [seed], threading.Lock()
 
-        def next_request() -> tuple[dict, int]:
+        def next_serial() -> int:
             with lock:
-                if not order:  # the next pass over the block, in a new order
-                    passes[0] += 1
-                    order.extend(random.Random(seed + passes[0]).sample(block, len(block)))
                 serial[0] += 1
-                return order.pop(), serial[0]
+                return serial[0]
 
         def client(k):
+            req = client_request(block, k)
             while time.time() < stop_at:
-                req, n = next_request()
-                ids = soak_input_ids(req, prompts, shared, serial=n)
+                ids = soak_input_ids(req, prompts, shared, serial=next_serial())
                 res = _safe(lambda s, i, sp=req["sampling"]: generate(s, i, dict(sp)), srv, ids)
                 if not first_response:
                     first_response.append(time.time() - t0)
@@ -519,6 +519,8 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
                 row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
                 if "metas" in res:
                     metas.extend(res["metas"])
+                    row["invariant_failures"] = row.get("invariant_failures", 0) + sum(
+                        not invariant_holds(m) for m in res["metas"])
                     row["tokens"] += sum(m["completion_tokens"] for m in res["metas"])
                     row["prompt_tokens"] = row.get("prompt_tokens", 0) + sum(m.get("prompt_tokens", 0)
                                                                              for m in res["metas"])
@@ -541,7 +543,8 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
                 if minute - 1 in minutes and minute - 1 not in told:  # the minute before is whole: what it did
                     told.add(minute - 1)
                     done = minutes[minute - 1]
-                    progress(f"soak{'' if seed == 0 else ' warm-up'} minute {minute}: {done['tokens'] / 60:,.0f} "
+                    label = "warm-up minute" if minute <= first_minute else f"minute {minute - first_minute}"
+                    progress(f"soak {label}: {done['tokens'] / 60:,.0f} "
                              f"output tok/s, {done['errors']} errors, {done.get('used_tokens')} pool tokens used, "
                              f"GPU {done.get('gpu_mib')} MiB")
                 row = minutes.setdefault(minute, {"tokens": 0, "errors": 0})
@@ -563,33 +566,44 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
                 "first_response_s": round(first_response[0], 1) if first_response else None}
 
     first = first_requests(srv, prompts, max_prompt)
-    warm = None
-    if warmup > 0:
-        w = traffic(warmup, seed=10 ** 8)
-        warm = {"seconds": warmup, "responses": len(w["metas"]), "first_response_s": w["first_response_s"],
-                "minutes": w["minutes"], "invariant_failures": sum(not invariant_holds(m) for m in w["metas"])}
+    first_minute = -(-int(warmup) // 60)  # the warm-up's whole minutes
     before, prom_before = ledger(srv), prometheus(srv)
-    run = traffic(seconds, seed=0)
+    run = traffic(60 * first_minute + seconds, seed=0)
     time.sleep(2)
     d, prom = moved(before, ledger(srv)), moved(prom_before, prometheus(srv))
-    summary = soak_summary(run["minutes"], run["metas"], seconds, d, prom, run["counters"])
-    return {"first_requests": first, "warmup": warm, **summary, "verdicts": soak_verdicts(summary),
-            "first_response_s": run["first_response_s"]}
+    summary = soak_summary(run["minutes"], run["metas"], seconds, d, prom, run["counters"], first_minute)
+    warm = [run["minutes"][m] for m in range(first_minute) if m in run["minutes"]]
+    warm_row = {"seconds": 60 * first_minute, "responses": sum(r.get("requests", 0) for r in warm),
+                "first_response_s": run["first_response_s"],
+                "invariant_failures": sum(r.get("invariant_failures", 0) for r in warm)}
+    return {"first_requests": first, "verdicts": soak_verdicts(summary), "first_response_s": run["first_response_s"],
+            "warmup": warm_row if first_minute else None, **summary}
+
+
+def client_request(block: list[dict], client: int) -> dict:
+    """The request a client sends, every time: its own entry of the block. With each client on one kind the requests
+    in flight hold the block's mix at every moment. Clients taking the block's next request in turn (the soaks of
+    2026-12-04 to 12-06) let the mix in flight drift -- the long kinds pile up, a 32k prompt is in one minute's batches
+    and not the next's -- and the scheduler's own decode counter moved by 20% between minutes of one such run."""
+    return block[client % len(block)]
 
 
 def soak_summary(minutes: dict[int, dict], metas: list[dict], seconds: float, ledger_moved: dict | None,
-                 metrics_moved: dict | None, counters: list[tuple[float, dict]] | None = None) -> dict:
+                 metrics_moved: dict | None, counters: list[tuple[float, dict]] | None = None,
+                 first_minute: int = 0) -> dict:
     """The soak's verdicts from its per-minute rows and its responses: throughput per whole minute (the last one, cut
     by the stop, left out) and its spread, GPU memory and pool usage in the first and last whole minute, and the
     ledger and /metrics each against the responses' sums. Beside the output tokens of the requests that finished in
     a minute, the tokens the scheduler decoded and prefilled in it (its counters, `counters`): a spread in the first
-    but not the second is when requests finished, not how fast the server ran."""
+    but not the second is when requests finished, not how fast the server ran. The measured minutes are the whole ones
+    from `first_minute` (the warm-up's before it) to `seconds` later."""
     keys = ("requests", "verify_steps", "accepted_drafts")
-    full = [m for m in sorted(minutes) if m < seconds // 60]
+    full = [m for m in sorted(minutes) if first_minute <= m < first_minute + seconds // 60]
     per_min = [minutes[m]["tokens"] / 60 for m in full]
     decoded = counter_per_minute(counters or [], full, "decode")
     decode_per_s = [None if x is None else round(x / 60, 1) for x in decoded]
     return {"minutes": minutes, "responses": len(metas), "sums": sums(metas), "ledger_moved": ledger_moved,
+            "responses_per_minute": [minutes[m].get("requests", 0) for m in full],
             "server_counters": counters,
             "decoded_tokens_per_s_per_minute": decode_per_s,
             "prefill_computed_tokens_per_minute": [None if x is None else round(x) for x in

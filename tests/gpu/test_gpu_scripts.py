@@ -575,6 +575,15 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
     for r, x, h in zip(block + block, sent, hits):  # a sharer finds at most its part of the prefix, the others nothing
         assert h <= (len(x) - T.MARKER_TOKENS - 5 if r["shared"] else 3)
 
+    # each client sends its own request of the block every time: the 256 in flight hold the block's mix, the 32k
+    # prompt among them in every minute
+    assert [T.client_request(block, k) for k in range(256)] == block and T.client_request(block, 256) == block[0]
+    # measured minutes start after the warm-up's, with no drain between them: minute 0 here is warm-up
+    warm = {0: {"tokens": 60, "errors": 0, "requests": 2}, 1: {"tokens": 600, "errors": 0, "requests": 9},
+            2: {"tokens": 590, "errors": 0, "requests": 8}, 3: {"tokens": 5, "errors": 0}}
+    judged = T.soak_summary(warm, [], 120, None, None, first_minute=1)
+    assert judged["output_tokens_per_s_per_minute"] == [10.0, 9.8] and judged["responses_per_minute"] == [9, 8]
+
     # the soak's verdicts: whole minutes only (the stop cuts the last), spread of tokens/s, first and last minute's
     # memory and pool, ledger and /metrics against the responses' sums -- unknown (None) without a ledger
     metas = [{"completion_tokens": 5, "spec_verify_ct": 2, "spec_num_correct_drafts": 2}] * 3
@@ -634,6 +643,17 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
     assert c["allocated_growth_mib"] is None  # not read by the check then
     first = recorded["mla-chain"]["soak"]["first_requests"]
     assert first["sampled (T 0.8, top-p 0.95), 64 tokens"]["seconds"] > 10 * first["greedy, 64 tokens"]["seconds"]
+    # 2026-12-06 (H100): exact counters and a flat pool; the spread (39%) and 12 MiB more memory, with no kernel
+    # compiled; the first top-p request alone compiled FlashInfer's sampling module, temperature alone did not
+    recorded = json.load(open(os.path.join(REPO, "docs", "bench", "traffic-2026-12-06-fa3-soak.json")))
+    soak = recorded["mla-chain"]["soak"]
+    c = T.soak_verdicts(soak)
+    assert c["ledger_equals_responses"] and c["metrics_equal_responses"] and c["no_errors"] and c["pool_no_growth"]
+    assert c["throughput_within_5pct"] is False and c["gpu_memory_growth_mib"] == 12
+    assert c["kernels_compiled_meanwhile"] == 0 and c["allocated_growth_mib"] == 15.6 and c["reserved_growth_mib"] == 10
+    first = soak["first_requests"]
+    assert first["sampled (T 0.8, top-p 0.95), 64 tokens"]["cache_entries_added"]["flashinfer"] > 0
+    assert first["sampled (T 0.8), 64 tokens"]["cache_entries_added"] == {"triton": 0, "flashinfer": 0}
 
 
 def test_kernel_caches_are_counted_apart(tmp_path, monkeypatch):

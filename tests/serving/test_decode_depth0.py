@@ -283,3 +283,24 @@ def test_without_host_sequence_lengths_the_step_stays_on_the_gpu(policy_on):
     seen = worker.target_worker.seen
     assert seen["seq_lens"].tolist() == [6, 10, 18] and seen["seq_lens_cpu"] is None and seen["seq_lens_sum"] is None
     assert result.new_seq_lens.tolist() == [6, 10, 18] and batch.seq_lens_cpu is None and batch.seq_lens_sum is None
+
+
+@pytest.mark.parametrize("steps_to_probe,timed", [(20, False), (500, True)])
+def test_a_depth0_step_before_a_probe_is_not_timed_as_depth0(policy_on, monkeypatch, steps_to_probe, timed):
+    """The step clock's time reaches the slot's cost policy (adaptive.slot_update, on upstream's AdaptiveStepSlot)
+    except for a depth-0 step in the lead before a probe, which also ran the draft extend (warm mode): in an H100
+    soak those took 18 ms against 9 ms, and timed as depth 0 they made drafting at 0.04 accepted per step look 15%
+    better than depth 0 after every probe."""
+    from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
+
+    from sglang_ext.core.adaptive import CostModelPolicy
+    from sglang_ext.serving import adaptive
+
+    monkeypatch.delenv("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND")
+    slot = AdaptiveSpeculativeParams(initial_steps=0)._route(128)
+    policy = slot._sglang_ext_policy = CostModelPolicy(slot.candidate_steps, 0, probe_every=600)
+    policy._at_zero = 600 - steps_to_probe
+    monkeypatch.setattr(adaptive.CLOCK, "seconds", 0.018)
+    monkeypatch.setattr(adaptive.CLOCK, "depth", 0)
+    adaptive.slot_update(upstream_path, slot, [])
+    assert (0 in policy.times) == timed
