@@ -370,7 +370,7 @@ def level_seed(concurrency: int, purpose: str) -> int:
 
 def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_len: int, max_bs: int,
             mem_fraction: float, port: int, profile_at: set[int] = frozenset(), waves: int = 2,
-            warmup_tokens: int = 32, backend: str | None = None) -> dict:
+            warmup_tokens: int = 32, backend: str | None = None, on_level=None) -> dict:
     """Each level: a warm-up pass, a prefill pass, then `repeats` timed passes of `waves` requests per client.
 
     - Warm-up (`warmup_tokens` per request, new prompts, at the level's concurrency; kept as `warmup`): the first
@@ -380,6 +380,7 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
     - Prefill (`prefill`): `concurrency` new prompts at once, one output token each: how long the server takes
       to prefill them, which is where a speculative server's own prefill work (the target's aux-state capture
       and the draft's prefill) shows, apart from its decode steps.
+    `on_level(row)` after each level: the caller keeps what was measured if the run is stopped before the arm ends.
     """
     os.environ["GPU_CHECK_PORT"] = str(port)
     Server = serverlib().Server
@@ -415,6 +416,8 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
                       f"{1e3 * statistics.mean(r['ttft_mean_s'] for r in runs):.0f} ms, prefill of {c} "
                       f"{1e3 * row['prefill'][str(c)]['wall_s']:.0f} ms, accepted drafts/step "
                       f"{runs[-1]['accepted_drafts_per_step']}", flush=True)
+                if on_level is not None:
+                    on_level(row)
                 if c in profile_at:
                     prof = profile_level(srv, prompts(4 * c, input_len, seed=c + 1), c, output_len, 10,
                                          f"{WORK}/profiles/{arm}-c{c}")
@@ -996,10 +999,16 @@ def main(argv=None) -> int:
             if time.time() - t0 > args.deadline_s:
                 print(f"[bench] {arm}: not started (deadline)")
                 continue
+            def keep(row, arm=arm):  # a run stopped mid-arm (a time limit) keeps its levels, marked unfinished
+                done = list(row["levels"])
+                state.setdefault("arms", {})[arm] = dict(row, error=f"unfinished: stopped after concurrency {done[-1]}")
+                os.makedirs(os.path.dirname(os.path.abspath(state_path)), exist_ok=True)
+                json.dump(state, open(state_path, "w"))
+
             row = run_arm(arm, [int(c) for c in args.concurrency.split(",")], args.repeats, args.input_len,
                           args.output_len, args.max_bs, args.mem_fraction_static, args.port,
                           profile_levels_of(args.profile_at, arm), args.waves, args.warmup_tokens,
-                          args.attention_backend)
+                          args.attention_backend, on_level=keep)
             state.setdefault("arms", {})[arm] = row
             json.dump(state, open(state_path, "w"))
             if "error" in row:  # the next arm may still run (each arm is its own server)

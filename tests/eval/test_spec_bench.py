@@ -456,3 +456,48 @@ def test_all_refuses_a_work_directory_built_for_another_target(tmp_path, monkeyp
     with pytest.raises(SystemExit):
         sb.main(["all", "--layers", "16", "--target-weights", "fp8", "nospec"])
     assert "not --layers 16 --target-weights fp8" in capsys.readouterr().err
+
+
+def test_a_run_stopped_mid_arm_keeps_the_levels_it_measured(tmp_path, monkeypatch):
+    """`run` under a time limit: the state file holds every level measured before the stop, the arm marked unfinished
+    (so `all` measures it again), and an arm that ends replaces that with its whole row."""
+    import sglang_ext.eval.bench
+
+    class FakeServer:
+        def __init__(self, name, args, env, port_number=None):
+            self.url, self.ready_s = "http://x:1", 1.0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def wait_ready(self, timeout):
+            return True
+
+        def log(self):
+            return ""
+
+    def measure(url, prompts, concurrency, lengths):
+        if lengths[0] == 64 and concurrency == 1 and stop_at_1:
+            raise SystemExit(124)  # what a time limit does to the process, past `except Exception`
+        return {"output_tokens_per_s": 10.0 * concurrency, "tpot_mean_s": 0.01, "ttft_mean_s": 0.1, "wall_s": 0.1,
+                "accepted_drafts_per_step": None}
+
+    monkeypatch.setattr(sb, "WORK", str(tmp_path))
+    monkeypatch.setattr(sb, "prompts", lambda n, input_len, seed=0: ["p"] * n)
+    monkeypatch.setattr(sglang_ext.eval.bench, "run_arm", measure)
+    monkeypatch.setattr(sb, "serverlib", lambda: type("L", (), {"Server": FakeServer, "tp_args": lambda tp: []}))
+    argv = ["run", "nospec", "--concurrency", "8,1", "--repeats", "1", "--output-len", "64"]
+    stop_at_1 = True
+    with pytest.raises(SystemExit):
+        sb.main(argv)
+    kept = json.load(open(tmp_path / "state.json"))["arms"]["nospec"]
+    assert list(kept["levels"]) == ["8"] and kept["levels"]["8"][0]["output_tokens_per_s"] == 80.0
+    assert kept["error"] == "unfinished: stopped after concurrency 8"
+    assert sb.arms_to_run({"arms": {"nospec": kept}}, ["nospec"], []) == ["nospec"]
+    stop_at_1 = False
+    assert sb.main(argv) == 0
+    done = json.load(open(tmp_path / "state.json"))["arms"]["nospec"]
+    assert list(done["levels"]) == ["8", "1"] and "error" not in done
