@@ -21,7 +21,8 @@ upstream SGLang EAGLE3 and against the physical bound, side by side in one run (
 5. `bound`: chain arms at concurrency 1 against the bound the weights read set (`weight_bytes_bound`: a cycle reads
    the target once and the head once per step, and yields 1 + accepted tokens), by TPOT and by throughput.
 
-Resumable: results accumulate in WORK/state.json, so the arms can be spread over several calls.
+Resumable: results accumulate in WORK/state.json, so the arms can be spread over several calls; `run` writes each
+level as it is measured (an arm stopped by a time limit keeps its levels, marked unfinished, and `all` redoes it).
 
     eagle3-spec-bench build
     eagle3-spec-bench run ARM [ARM ...]
