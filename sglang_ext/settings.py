@@ -58,8 +58,10 @@ OPTIONS = (
            "steps before a probe ('warm'), on every step ('keep') or never ('skip').",
            choices=("warm", "keep", "skip"), aliases={"": "warm"}),
     Option("mla_verify", "--speculative-mla-verify", "SGLANG_EXT_MLA_VERIFY",
-           "Triton backend, MLA target: verify chains as decode attention ('auto'), trees too ('decode'), or with "
-           "upstream's prefill kernel ('extend'). Other backends: no effect.",
+           "MLA target, target verify as decode attention. Triton: chains ('auto'), trees too ('decode'), or "
+           "upstream's prefill kernel ('extend'). FA3: draft trees as decode rows under "
+           "--enable-deterministic-inference ('auto'), always ('decode'), or upstream's cascade ('extend'). "
+           "Other backends: no effect.",
            choices=("auto", "decode", "extend"), aliases={"": "auto", "off": "extend", "upstream": "extend"}),
     Option("aux_dump_dir", "--speculative-eagle3-aux-dump-dir", "SGLANG_EXT_AUX_DUMP_DIR",
            "Debug: write the captured aux hidden states of the first prefill batches to this directory.",

@@ -114,8 +114,11 @@ def tp_errors(target: "TargetConfig", draft: "Eagle3DraftConfig", tp_size: int) 
 
 
 def backend_errors(target: "TargetConfig", draft: "Eagle3DraftConfig", backend: str | None, draft_backend: str | None,
-                   topk: int, deterministic: bool, adaptive: bool = False) -> tuple[list[ConfigError], list[str]]:
+                   topk: int, deterministic: bool, adaptive: bool = False,
+                   fa3_trees_inexact: str | None = "") -> tuple[list[ConfigError], list[str]]:
     """(refusals, warnings) for the pair on the server's attention backends (`backend` None: not known yet).
+    `fa3_trees_inexact`: None where an FA3 draft tree is verified as decode rows (exact in deterministic mode,
+    serving.fa3_verify), else why it is not ('' not known).
 
     Measured on an H200, SGLang 0.5.17, the tiny DeepseekV3 target of tests/gpu/check_serving.py (docs/results.md,
     "Attention backends"): on FlashInfer a draft tree (topk > 1) under an MLA target served greedy outputs that parted
@@ -149,8 +152,11 @@ def backend_errors(target: "TargetConfig", draft: "Eagle3DraftConfig", backend: 
                                   "draft depths fail in CUDA-graph capture (FlashMLA's fixed query shape per step)",
                                   "use --attention-backend fa3 (SGLang's default on Hopper) or triton for adaptive "
                                   "drafting and the cost protection, or leave --speculative-adaptive off on flashmla"))
-    if deterministic and topk > 1 and backend == "fa3":
+    if deterministic and topk > 1 and backend == "fa3" and target.is_mla and fa3_trees_inexact is not None:
+        why = f" ({fa3_trees_inexact})" if fa3_trees_inexact else ""
         warnings.append("--enable-deterministic-inference with draft trees (--speculative-eagle-topk "
-                        f"{topk}) on fa3: outputs are reproducible but not equal to the target alone's (a chain's "
-                        "are); for exact greedy trees use --attention-backend triton --speculative-mla-verify decode")
+                        f"{topk}) on fa3 verified by upstream's cascade attention{why}: outputs are reproducible but "
+                        "not equal to the target alone's (a chain's are); for exact greedy trees use "
+                        "--speculative-mla-verify auto (the default) on SGLang 0.5.17 with a bf16 KV cache, or "
+                        "--attention-backend triton --speculative-mla-verify decode")
     return errors, warnings

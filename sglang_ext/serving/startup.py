@@ -25,7 +25,7 @@ import logging
 from sglang_ext import checkpoint, settings
 from sglang_ext.config import Eagle3DraftConfig, TargetConfig, kv, pair, resolve_with_errors
 from sglang_ext.errors import ConfigError, combined
-from sglang_ext.serving import compat, hooks
+from sglang_ext.serving import compat, fa3_verify, hooks
 from sglang_ext.serving.context import local_dir
 from sglang_ext.serving.hooks import Hook
 
@@ -67,7 +67,8 @@ def pair_problems(args, s: settings.Settings) -> tuple[list[ConfigError], list[s
     topk = int(getattr(args, "speculative_eagle_topk", None) or 1)
     backend_errors, warnings = pair.backend_errors(target, draft, backend, draft_backend, topk,
                                                    bool(getattr(args, "enable_deterministic_inference", False)),
-                                                   bool(getattr(args, "speculative_adaptive", False)))
+                                                   bool(getattr(args, "speculative_adaptive", False)),
+                                                   fa3_verify.server_reason(s, getattr(args, "kv_cache_dtype", None)))
     errors += backend_errors
     target_kv = kv.target_kv_dtype(getattr(args, "kv_cache_dtype", None))
     if kv.TARGET_KV_DTYPES[target_kv] is not None:
