@@ -35,6 +35,7 @@ import sys
 import torch
 
 from sglang_ext import settings
+from sglang_ext.config import kv
 from sglang_ext.serving.hooks import Hook, releases
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def reasons(backend, deterministic: bool, mode: str) -> list[str]:
         out.append(f"FlashAttention {backend.fa_impl_ver}")
     if getattr(backend, "page_size", 1) != 1:
         out.append(f"page size {backend.page_size}")
-    if getattr(backend, "kv_cache_dtype_str", "auto") != "auto":
+    if kv.target_kv_dtype(getattr(backend, "kv_cache_dtype_str", None)) != "bf16":
         out.append(f"KV cache dtype {backend.kv_cache_dtype_str}")
     if getattr(backend, "has_swa", False) or getattr(backend, "has_local_attention", False):
         out.append("sliding-window or local attention")
@@ -80,7 +81,7 @@ def server_reason(s: settings.Settings, kv_cache_dtype: str | None) -> str | Non
         return f"{OPTION} extend"
     if not HOOKS[0].covers():
         return f"the decode-row tree verify is built for SGLang {', '.join(HOOKS[0].releases)}"
-    if (kv_cache_dtype or "auto") not in ("auto", "bf16", "bfloat16"):
+    if kv.target_kv_dtype(kv_cache_dtype) != "bf16":
         return f"--kv-cache-dtype {kv_cache_dtype}"
     return None
 
