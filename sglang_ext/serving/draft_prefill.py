@@ -51,6 +51,7 @@ class LastRows:
         self.armed = False  # inside _draft_extend_for_prefill
         self.rows: torch.Tensor | None = None  # inside its eager forward: each request's last extend token
         self.tokens = 0
+        self.wrapped: tuple[int, int] | None = None  # ids of the model and eager runner wrapped
 
     def select(self, forward_batch) -> torch.Tensor | None:
         """The last token of each request's extend, where only those rows are read; else None."""
@@ -121,20 +122,23 @@ def last_layer(model) -> torch.nn.Module | None:
 
 
 def install(worker) -> LastRows | None:
-    """The worker's LastRows, its wrappers installed on first use (None where the path does not apply)."""
-    if hasattr(worker, STATE):
-        return getattr(worker, STATE)
-    state = None
+    """The worker's LastRows, its wrappers installed on first use, and again where SGLang rebuilt the eager runner or
+    reloaded the model since (None where the path does not apply)."""
     runner = getattr(worker, "draft_runner", None)
-    layer = last_layer(getattr(runner, "model", None))
+    model = getattr(runner, "model", None)
     eager = getattr(runner, "eager_runner", None)
+    state = getattr(worker, STATE, None)
+    if hasattr(worker, STATE) and (state is None or state.wrapped == (id(model), id(eager))):
+        return state
+    state, layer = None, last_layer(model)
     if layer is not None and eager is not None and hasattr(eager, "execute"):
         state = LastRows()
         state.wrap_module(layer.self_attn.o_proj)
         state.wrap_module(layer.mlp)
         state.wrap_runner(eager)
+        state.wrapped = (id(model), id(eager))
         logger.info("[sglang_ext] draft prefill: the output projection and MLP of %s's last layer run on each "
-                    "request's last token only (%s full: every token)", type(runner.model).__name__, OPTION)
+                    "request's last token only (%s full: every token)", type(model).__name__, OPTION)
     setattr(worker, STATE, state)
     return state
 

@@ -29,6 +29,7 @@ def test_the_draft_kv_and_the_kept_hidden_state_are_upstreams(worker, layers):
     assert r["last_hidden_max_diff"] < 1e-5 and r["last_aux_max_diff"] < 1e-5
     assert r["other_rows_differ"]  # the rows nothing reads were indeed not computed
     assert r["rows_after"]  # the selection ends with its forward: later forwards (draft decode) run whole
+    assert r["kept_then_rewrapped"]  # installed once; again on an eager runner SGLang rebuilt
 
 
 def test_only_the_last_layers_mlp_runs_on_the_last_rows(worker):

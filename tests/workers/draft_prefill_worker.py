@@ -139,6 +139,10 @@ def run(layers: int, **overrides) -> dict:
         mlp_rows.append([])
     hidden, aux = draft_prefill.draft_extend_for_prefill(lambda w, b: w.draft_runner.eager_runner.execute(b),
                                                          worker, fb2)
+    state = getattr(worker, draft_prefill.STATE)
+    same = draft_prefill.install(worker) is state
+    ours.eager_runner = types.SimpleNamespace(execute=ours.execute)  # as SGLang rebuilding its eager runner
+    rewrapped = draft_prefill.install(worker) is not state
     last = (fb2.extend_start_loc + fb2.extend_seq_lens - 1).long()
     rest = torch.ones(T, dtype=torch.bool)
     rest[last] = False
@@ -150,8 +154,9 @@ def run(layers: int, **overrides) -> dict:
         last_hidden_norm=float(ref_hidden[last].norm()),
         other_rows_differ=not torch.allclose(hidden[rest], ref_hidden[rest]),
         mlp_rows_per_layer=[r[0] for r in mlp_rows],
-        installed=getattr(worker, draft_prefill.STATE) is not None,
-        rows_after=getattr(worker, draft_prefill.STATE).rows is None,
+        installed=state is not None,
+        kept_then_rewrapped=same and rewrapped,
+        rows_after=state.rows is None,
     )
 
 
