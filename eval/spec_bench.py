@@ -81,11 +81,11 @@ ARMS = {
     # before a probe (SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND unset = warm); the arm above never runs it
     "zero-accept-protected-warm": ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"},
                                    False),
-    # the same with the draft's prefill over every prompt row, as upstream (--speculative-draft-prefill full): what
-    # computing the last layer's output projection and MLP only at each request's last token saves
-    "zero-accept-protected-warm-full-prefill": ("mha", CHAIN + ["--speculative-adaptive"],
+    # the same with the draft's prefill computing its last layer's output projection and MLP only at each request's
+    # last token (--speculative-draft-prefill last): what that saves against the arm above (every row, as upstream)
+    "zero-accept-protected-warm-last-prefill": ("mha", CHAIN + ["--speculative-adaptive"],
                                                 {"SGLANG_EXT_ADAPTIVE_POLICY": "cost",
-                                                 "SGLANG_EXT_DRAFT_PREFILL": "full"}, False),
+                                                 "SGLANG_EXT_DRAFT_PREFILL": "last"}, False),
     # the protection at the synthetic acceptance of the chain arms: it must keep the gain where drafting pays
     # and stop where it does not (depth 0's draft extend as shipped: only before a probe)
     "chain-protected-decode0": ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"},

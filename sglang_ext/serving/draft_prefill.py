@@ -18,7 +18,8 @@ outputs feed the later layers' KV).
 When: only in the eager runner (a prefill CUDA graph -- SGLang's breakable graph for batches of up to its capture
 size -- replays the shapes it captured, so those batches keep upstream's forward); only for batches that capture
 the LAST hidden state without logprobs or DP attention (what ``_draft_extend_for_prefill`` builds); only for the
-Eagle3 head classes whose layer ends with ``self.mlp``. ``--speculative-draft-prefill full`` keeps upstream's.
+Eagle3 head classes whose layer ends with ``self.mlp``. Opt-in (``--speculative-draft-prefill last``) until it is
+measured on a GPU; ``full``, the default, keeps upstream's.
 
 Extends (SGLang 0.5.17 - 0.5.23):
   * ``speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill`` (AROUND) -- on first use, wraps the
@@ -160,6 +161,6 @@ def _requested(s: settings.Settings) -> bool:
 
 HOOKS = (
     Hook(TARGET, "around", draft_extend_for_prefill, when=_requested,
-         option=f"{OPTION} last (the default)",
+         option=f"{OPTION} last",
          feature="the draft's prefill computing its last layer's output projection and MLP only at the rows it uses"),
 )

@@ -13,7 +13,8 @@ pytest.importorskip("sglang")
 
 @pytest.fixture(scope="module")
 def worker():
-    p = python_run([os.path.join(HERE, "draft_prefill_worker.py")], timeout=600)
+    p = python_run([os.path.join(HERE, "draft_prefill_worker.py")], timeout=600,
+                   env=dict(os.environ, SGLANG_EXT_DRAFT_PREFILL="last"))
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -50,13 +51,14 @@ def test_the_path_is_taken_only_for_a_draft_prefill_that_reads_one_row_per_reque
     assert worker["mla_head_layer"]  # the MLA-format head's one layer (model.midlayer) is the one wrapped
 
 
-def test_full_keeps_upstreams_prefill_and_a_bad_value_is_refused(monkeypatch):
+def test_full_the_default_keeps_upstreams_prefill_and_a_bad_value_is_refused(monkeypatch):
     from sglang_ext import settings
     from sglang_ext.errors import ConfigError
     from sglang_ext.serving import draft_prefill
 
     calls = []
-    monkeypatch.setenv("SGLANG_EXT_DRAFT_PREFILL", "full")
+    monkeypatch.delenv("SGLANG_EXT_DRAFT_PREFILL", raising=False)
+    assert settings.current().draft_prefill == "full"
     worker = object()  # no draft runner: reaching install() would fail on it
     assert draft_prefill.draft_extend_for_prefill(lambda w, b: calls.append(b) or "upstream", worker, "batch") \
         == "upstream"
