@@ -145,7 +145,7 @@ def install(worker) -> LastRows | None:
 
 
 def draft_extend_for_prefill(original_fn, self, *args, **kwargs):
-    state = install(self) if settings.current().draft_prefill == "last" else None
+    state = install(self) if _requested(settings.current()) else None
     if state is None:
         return original_fn(self, *args, **kwargs)
     state.armed = True
