@@ -77,12 +77,13 @@ ARMS = {
     "zero-accept-protected-decode0": ("mha", CHAIN + ["--speculative-adaptive"],
                                       {"SGLANG_EXT_ADAPTIVE_POLICY": "cost",
                                        "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND": "1"}, False),
-    # the protection as shipped, at zero acceptance: depth 0's draft extend only in the steps
-    # before a probe (SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND unset = warm); the arm above never runs it
-    "zero-accept-protected-warm": ("mha", CHAIN + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"},
-                                   False),
+    # the protection at zero acceptance: depth 0's draft extend only in the steps before a probe
+    # (SGLANG_EXT_ADAPTIVE_DEPTH0_DRAFT_EXTEND unset = warm; the arm above never runs it), and the draft's prefill
+    # over every prompt row as upstream (--speculative-draft-prefill full: this arm's meaning in earlier state files)
+    "zero-accept-protected-warm": ("mha", CHAIN + ["--speculative-adaptive"],
+                                   {"SGLANG_EXT_ADAPTIVE_POLICY": "cost", "SGLANG_EXT_DRAFT_PREFILL": "full"}, False),
     # the same with the draft's prefill computing its last layer's output projection and MLP only at each request's
-    # last token (--speculative-draft-prefill last): what that saves against the arm above (every row, as upstream)
+    # last token (--speculative-draft-prefill last, the default): the protection as shipped
     "zero-accept-protected-warm-last-prefill": ("mha", CHAIN + ["--speculative-adaptive"],
                                                 {"SGLANG_EXT_ADAPTIVE_POLICY": "cost",
                                                  "SGLANG_EXT_DRAFT_PREFILL": "last"}, False),
@@ -450,30 +451,47 @@ def compare_arms(arms: list[str], levels: list[int], repeats: int, input_len: in
     from sglang_ext.eval.bench import run_arm as measure
 
     rows, servers = {}, {}
-    for i, arm in enumerate(arms):
-        args, env = server_args(arm, max_bs, mem_fraction, backend, max_total_tokens)
-        rows[arm] = {"arm": arm, "args": args, "env": env, "levels": {}, "waves": waves, "warmup_tokens": warmup_tokens,
-                     "attention_backend": backend or "default", "side_by_side": list(arms)}
-        servers[arm] = Server(f"bench-{arm}", args, env, port_number=port + i)
     try:
         live = []
-        for arm, srv in servers.items():
+        # one start at a time: SGLang reads the free memory when a server starts and sizes that server against it,
+        # so a server whose neighbours allocate while it loads finds less than it counted on and refuses to start
+        for i, arm in enumerate(arms):
+            args, env = server_args(arm, max_bs, mem_fraction, backend, max_total_tokens)
+            rows[arm] = {"arm": arm, "args": args, "env": env, "levels": {}, "waves": waves,
+                         "warmup_tokens": warmup_tokens, "attention_backend": backend or "default",
+                         "side_by_side": list(arms)}
+            srv = servers[arm] = Server(f"bench-{arm}", args, env, port_number=port + i)
             if srv.wait_ready(600):
                 rows[arm]["start_s"] = srv.ready_s
                 live.append(arm)
             else:
                 rows[arm]["error"] = f"server did not start: {srv.last_error()}\n{srv.log()[-3000:]}"
-        for arm in live:  # first-use kernel compiles, not timed (run_arm)
-            measure(servers[arm].url, prompts(8, input_len, seed=99), 8, [32] * 8)
-            measure(servers[arm].url, prompts(1, input_len, seed=98), 1, [32])
+
+        def exited(arm: str, run: dict, where: str) -> bool:
+            """A server that died (out of memory beside the others, a crash) answers nothing: it leaves the run with
+            its log's error instead of measuring 0 tokens/s at every later level."""
+            if not run["failed_requests"] or servers[arm].proc.poll() is None:
+                return False
+            rows[arm]["error"] = f"server exited {where}: {servers[arm].last_error()}\n{servers[arm].log()[-3000:]}"
+            print(f"[bench] {arm}: server exited {where}: {servers[arm].last_error()}", flush=True)
+            live.remove(arm)
+            return True
+
+        for arm in list(live):  # first-use kernel compiles, not timed (run_arm)
+            for n, seed in ((8, 99), (1, 98)):
+                if arm in live:
+                    exited(arm, measure(servers[arm].url, prompts(n, input_len, seed=seed), n, [32] * n), "at warm-up")
         for c in levels:
             for arm in list(live):
                 url = servers[arm].url
                 if warmup_tokens > 0:
-                    rows[arm].setdefault("warmup", {})[str(c)] = measure(
+                    run = rows[arm].setdefault("warmup", {})[str(c)] = measure(
                         url, prompts(c, input_len, seed=level_seed(c, "warmup")), c, [warmup_tokens] * c)
-                rows[arm].setdefault("prefill", {})[str(c)] = measure(
+                    if exited(arm, run, f"in the warm-up pass at concurrency {c}"):
+                        continue
+                run = rows[arm].setdefault("prefill", {})[str(c)] = measure(
                     url, prompts(c, input_len, seed=level_seed(c, "prefill")), c, [1] * c)
+                exited(arm, run, f"in the prefill pass at concurrency {c}")
             n = max(4, waves * c)
             for r in range(repeats):
                 k = r % max(1, len(live))
@@ -485,7 +503,8 @@ def compare_arms(arms: list[str], levels: list[int], repeats: int, input_len: in
                         rows[arm]["error"] = f"{e!r} at concurrency {c}\n" + servers[arm].log()[-3000:]
                         live.remove(arm)
                         continue
-                    rows[arm]["levels"].setdefault(str(c), []).append(run)
+                    if not exited(arm, run, f"at concurrency {c}, repeat {r + 1}"):
+                        rows[arm]["levels"].setdefault(str(c), []).append(run)
             first = next((a for a in arms if str(c) in rows[a]["levels"]), None)
             for arm in live:
                 tps = [x["output_tokens_per_s"] for x in rows[arm]["levels"][str(c)]]

@@ -65,9 +65,9 @@ OPTIONS = (
            choices=("auto", "decode", "extend"), aliases={"": "auto", "off": "extend", "upstream": "extend"}),
     Option("draft_prefill", "--speculative-draft-prefill", "SGLANG_EXT_DRAFT_PREFILL",
            "The Eagle3 head's prefill over each prompt: its last layer's output projection and MLP at every token as "
-           "upstream ('full', the default until measured on a GPU), or only at each request's last token, the one row "
-           "drafting reads ('last'; the draft KV is unchanged).", choices=("last", "full"),
-           aliases={"": "full", "upstream": "full"}),
+           "upstream ('full'), or only at each request's last token, the one row drafting reads ('last', the default: "
+           "the draft KV and the outputs are upstream's).", choices=("last", "full"),
+           aliases={"": "last", "upstream": "full"}),
     Option("aux_dump_dir", "--speculative-eagle3-aux-dump-dir", "SGLANG_EXT_AUX_DUMP_DIR",
            "Debug: write the captured aux hidden states of the first prefill batches to this directory.",
            metavar="DIR"),
@@ -88,7 +88,7 @@ class Settings:
     adaptive_depth0: str = "decode"  # decode | verify
     adaptive_depth0_draft_extend: str = "warm"  # warm | keep | skip
     mla_verify: str = "auto"  # auto | decode | extend
-    draft_prefill: str = "full"  # full | last
+    draft_prefill: str = "last"  # last | full
     aux_dump_dir: str | None = None
     aux_dump_max: int = 4
     feature_dir: str | None = None

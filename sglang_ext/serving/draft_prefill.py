@@ -5,9 +5,8 @@ Why: after the target's prefill, upstream runs the Eagle3 head over every prompt
 request (``CaptureHiddenMode.LAST``) for its first draft step. A token's draft KV depends only on that token's
 inputs (embedding, ``fc`` of the target's aux states, the layer's norms, its K/V projection), so everything after the
 last layer's attention -- its output projection and MLP -- matters only at each request's last token. For the
-bench's 1B MHA head (hidden 7168, MLP 18432) those are 455 of its 756 M multiply-adds per token (60%); at 128
-requests on a 16-layer target the draft's prefill was most of the 7-20% a speculative server's prefill takes longer
-(docs/design.md, "What the protection does not remove").
+bench's 1B MHA head (hidden 7168, MLP 18432) those are 455 of its 756 M multiply-adds per token (60%); measured on
+FA3, a 128-request prefill of the 16-layer bench target takes 3.4% less time (docs/benchmarks.md, 2026-12-07).
 
 What: around the draft's prefill forward, the last decoder layer's ``self_attn.o_proj`` and ``mlp`` run on the
 last token of each request's extend (``extend_start_loc + extend_seq_lens - 1``) and their other output rows are
@@ -18,8 +17,9 @@ outputs feed the later layers' KV).
 When: only in the eager runner (a prefill CUDA graph -- SGLang's breakable graph for batches of up to its capture
 size -- replays the shapes it captured, so those batches keep upstream's forward); only for batches that capture
 the LAST hidden state without logprobs or DP attention (what ``_draft_extend_for_prefill`` builds); only for the
-Eagle3 head classes whose layer ends with ``self.mlp``. Opt-in (``--speculative-draft-prefill last``) until it is
-measured on a GPU; ``full``, the default, keeps upstream's.
+Eagle3 head classes whose layer ends with ``self.mlp``. The default (``--speculative-draft-prefill last``): on FA3
+both head formats' deterministic trees equal the target alone with it, at upstream's acceptance; ``full`` keeps
+upstream's forward.
 
 Extends (SGLang 0.5.17 - 0.5.23):
   * ``speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill`` (AROUND) -- on first use, wraps the
@@ -161,6 +161,6 @@ def _requested(s: settings.Settings) -> bool:
 
 HOOKS = (
     Hook(TARGET, "around", draft_extend_for_prefill, when=_requested,
-         option=f"{OPTION} last",
+         option=f"{OPTION} last (the default)",
          feature="the draft's prefill computing its last layer's output projection and MLP only at the rows it uses"),
 )

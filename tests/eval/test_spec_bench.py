@@ -331,19 +331,24 @@ def test_bench_says_when_the_server_is_not_there(capsys):
 
 
 def test_side_by_side_arms_are_measured_in_rotating_order_on_their_own_servers(monkeypatch):
-    """`compare`: every arm's server starts at once (each on its own port, its KV pool capped), each round measures
-    every arm once with the order rotated, an arm whose server dies mid-run is dropped while the others go on, and
-    no --attention-backend is passed unless asked (SGLang's own choice)."""
+    """`compare`: the arms' servers start one after another (each on its own port, its KV pool capped), each round
+    measures every arm once with the order rotated, an arm whose server dies mid-run (a refused connection, or an exit
+    that leaves every request failed) is dropped with its error while the others go on, and no --attention-backend is
+    passed unless asked (SGLang's own choice)."""
     import sglang_ext.eval.bench
 
-    started, order = [], []
+    started, order, events = [], [], []
+    exited = set()  # ports whose server process has exited
 
     class FakeServer:
         def __init__(self, name, args, env, port_number=None):
-            self.url, self.args = f"http://x:{port_number}", args
+            self.url, self.args, self.port = f"http://x:{port_number}", args, str(port_number)
+            self.proc = type("P", (), {"poll": lambda _: 1 if self.port in exited else None})()
             started.append((name, port_number, args))
+            events.append(("start", port_number))
 
         def wait_ready(self, timeout):
+            events.append(("ready", int(self.port)))
             self.ready_s = 1.0
             return True
 
@@ -351,37 +356,48 @@ def test_side_by_side_arms_are_measured_in_rotating_order_on_their_own_servers(m
             return "[sglang_ext] draft KV pool allocated: 100 tokens, 0.5 GiB, 4096 B/token (bf16)"
 
         def last_error(self):
-            return ""
+            return "torch.OutOfMemoryError: CUDA out of memory." if self.port in exited else ""
 
         def stop(self):
             pass
 
-    speed = {"30277": 100.0, "30278": 110.0, "30279": 90.0}
+    speed = {"30277": 100.0, "30278": 110.0, "30279": 90.0, "30280": 95.0}
 
     def fake_measure(url, prompts, concurrency, lengths):
         port = url.rsplit(":", 1)[1]
+        if port == "30280" and lengths == [1] * concurrency:  # out of memory in its prefill pass: refuses the rest
+            exited.add(port)
+        if port in exited:
+            return {"output_tokens_per_s": 0.0, "failed_requests": len(prompts), "tpot_mean_s": None,
+                    "accepted_drafts_per_step": None, "wall_s": 0.0}
         if lengths[0] == 64:  # a timed pass
             order.append(port)
             if port == "30279" and len(order) > 3:
                 raise ConnectionError("server died")
-        return {"output_tokens_per_s": speed[port], "tpot_mean_s": 0.01, "accepted_drafts_per_step": 2.0,
-                "wall_s": 0.1}
+        return {"output_tokens_per_s": speed[port], "failed_requests": 0, "tpot_mean_s": 0.01,
+                "accepted_drafts_per_step": 2.0, "wall_s": 0.1}
 
     monkeypatch.setattr(sb, "prompts", lambda n, input_len, seed=0: ["p"] * n)
     monkeypatch.setattr(sglang_ext.eval.bench, "run_arm", fake_measure)
     monkeypatch.setattr(sb, "serverlib", lambda: type("L", (), {"Server": FakeServer, "tp_args": lambda tp: []}))
-    rows = sb.compare_arms(["upstream-mla-chain", "plugin-mla-chain", "nospec"], [1], repeats=3, input_len=8,
-                           output_len=64, max_bs=64, mem_fraction=0.9, port=30277, max_total_tokens=131072)
-    assert [p for _, p, _ in started] == [30277, 30278, 30279]
+    arms = ["upstream-mla-chain", "plugin-mla-chain", "nospec", "zero-accept-protected-warm"]
+    rows = sb.compare_arms(arms, [1], repeats=3, input_len=8, output_len=64, max_bs=64, mem_fraction=0.9,
+                           port=30277, max_total_tokens=131072)
+    assert [p for _, p, _ in started] == [30277, 30278, 30279, 30280]
+    # each server starts once the one before it is ready: SGLang sizes a server by the memory free at its start
+    assert events == [(e, p) for p in (30277, 30278, 30279, 30280) for e in ("start", "ready")]
     assert all("--attention-backend" not in a and a[a.index("--max-total-tokens") + 1] == "131072"
                for _, _, a in started)
-    # rounds A B C, then B C A (C dies on its second run: dropped), then A B
+    # rounds A B C, then B C A (C dies on its second run: dropped), then A B; D left in its prefill pass
     assert order == ["30277", "30278", "30279", "30278", "30279", "30277", "30277", "30278"]
     assert [r["output_tokens_per_s"] for r in rows["plugin-mla-chain"]["levels"]["1"]] == [110.0] * 3
     assert len(rows["upstream-mla-chain"]["levels"]["1"]) == 3 and "error" not in rows["upstream-mla-chain"]
     assert "server died" in rows["nospec"]["error"] and len(rows["nospec"]["levels"]["1"]) == 1
+    assert rows["zero-accept-protected-warm"]["levels"] == {}  # not a row of 0 tokens/s
+    assert rows["zero-accept-protected-warm"]["error"].startswith(
+        "server exited in the prefill pass at concurrency 1: torch.OutOfMemoryError")
     assert rows["plugin-mla-chain"]["pool"]["draft_bytes_per_token"] == 4096
-    assert rows["nospec"]["side_by_side"] == ["upstream-mla-chain", "plugin-mla-chain", "nospec"]
+    assert rows["nospec"]["side_by_side"] == arms
 
 
 def test_the_side_by_side_table_gives_medians_their_spread_and_ratios():

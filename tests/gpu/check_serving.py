@@ -16,8 +16,8 @@ beyond a near-tie: deterministic mode, Triton), on greedy equality too. Writes $
 The attention backend is SGLang's own choice (FA3 for an MLA target on Hopper) unless
 GPU_CHECK_ATTENTION_BACKEND names one (triton, fa3, flashinfer, flashmla); the arms that exercise the
 Triton backend's verify (`*verify-decode*`, `*-extend-*`, `target-triton`) run on Triton regardless.
-GPU_CHECK_PARALLEL=N starts N arms' servers side by side (a start is most of an arm's time), with
-GPU_CHECK_MEM_FRACTION / GPU_CHECK_MAX_TOTAL_TOKENS so that each finds memory for its pools.
+GPU_CHECK_PARALLEL=N starts N arms' servers side by side (a start is most of an arm's time), each with a
+capped KV pool (GPU_CHECK_MEM_FRACTION / GPU_CHECK_MAX_TOTAL_TOKENS, defaults in serverlib.launch_args).
 
     PYTHONPATH=/tmp/site:. python tests/gpu/check_serving.py [ARM ...]   (default: all arms)
 """

@@ -21,14 +21,18 @@ def attention_backend() -> str | None:
 
 def launch_args() -> list[str]:
     """What every server gets before its own arguments (an arm's own --attention-backend comes later and wins):
-    the attention backend of GPU_CHECK_ATTENTION_BACKEND, and the static memory fraction (GPU_CHECK_MEM_FRACTION,
-    default 0.3) -- with servers started side by side, GPU_CHECK_MAX_TOTAL_TOKENS caps each one's KV pool, since
-    SGLang sizes it from the memory free when it starts."""
+    the attention backend of GPU_CHECK_ATTENTION_BACKEND, the static memory fraction (GPU_CHECK_MEM_FRACTION) and a
+    KV pool cap (GPU_CHECK_MAX_TOTAL_TOKENS). One server at a time: fraction 0.3, no cap. Servers started side by
+    side (GPU_CHECK_PARALLEL > 1): fraction 0.6 and 65,536 tokens. SGLang keeps (1 - fraction) of the memory free
+    when a server starts out of its budget, and its neighbours' weights and pools, allocated while it loads, come out
+    of that reserve: at 0.25 the third of three servers found no memory for its KV cache (FA3, H100, 2026-12-07)."""
+    side_by_side = int(os.environ.get("GPU_CHECK_PARALLEL", "1")) > 1
     backend = attention_backend()
     out = BASE_ARGS + (["--attention-backend", backend] if backend else [])
-    out += ["--mem-fraction-static", os.environ.get("GPU_CHECK_MEM_FRACTION", "0.3")]
-    if os.environ.get("GPU_CHECK_MAX_TOTAL_TOKENS"):
-        out += ["--max-total-tokens", os.environ["GPU_CHECK_MAX_TOTAL_TOKENS"]]
+    out += ["--mem-fraction-static", os.environ.get("GPU_CHECK_MEM_FRACTION", "0.6" if side_by_side else "0.3")]
+    cap = os.environ.get("GPU_CHECK_MAX_TOTAL_TOKENS", "65536" if side_by_side else "")
+    if cap:
+        out += ["--max-total-tokens", cap]
     return out
 
 

@@ -687,3 +687,21 @@ def test_serving_check_asks_greedy_equality_only_where_the_target_is_batch_invar
     assert CS.arm_passes(True, 32, 44) and not CS.arm_passes(False, 32, 0)
     # a batch-invariant target (floor 0) or a floor not measured: one parting beyond a near-tie fails the arm
     assert not CS.arm_passes(True, 0, 1) and not CS.arm_passes(True, None, 1) and CS.arm_passes(True, 0, 0)
+
+
+def test_servers_started_side_by_side_get_a_capped_pool_and_a_fraction_that_leaves_room_for_each_other(monkeypatch):
+    sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+    import serverlib
+
+    def memory(args):
+        return args[args.index("--mem-fraction-static") + 1], (
+            args[args.index("--max-total-tokens") + 1] if "--max-total-tokens" in args else None)
+
+    for var in ("GPU_CHECK_PARALLEL", "GPU_CHECK_MEM_FRACTION", "GPU_CHECK_MAX_TOTAL_TOKENS"):
+        monkeypatch.delenv(var, raising=False)
+    assert memory(serverlib.launch_args()) == ("0.3", None)  # one server: SGLang sizes its pool
+    monkeypatch.setenv("GPU_CHECK_PARALLEL", "3")
+    assert memory(serverlib.launch_args()) == ("0.6", "65536")
+    monkeypatch.setenv("GPU_CHECK_MEM_FRACTION", "0.5")
+    monkeypatch.setenv("GPU_CHECK_MAX_TOTAL_TOKENS", "20000")
+    assert memory(serverlib.launch_args()) == ("0.5", "20000")  # what the caller sets wins

@@ -51,14 +51,16 @@ def test_the_path_is_taken_only_for_a_draft_prefill_that_reads_one_row_per_reque
     assert worker["mla_head_layer"]  # the MLA-format head's one layer (model.midlayer) is the one wrapped
 
 
-def test_full_the_default_keeps_upstreams_prefill_and_a_bad_value_is_refused(monkeypatch):
+def test_last_is_the_default_full_keeps_upstreams_prefill_and_a_bad_value_is_refused(monkeypatch):
     from sglang_ext import settings
     from sglang_ext.errors import ConfigError
     from sglang_ext.serving import draft_prefill
 
-    calls = []
     monkeypatch.delenv("SGLANG_EXT_DRAFT_PREFILL", raising=False)
-    assert settings.current().draft_prefill == "full"
+    assert settings.current().draft_prefill == "last"
+    assert draft_prefill.HOOKS[0].applies(settings.current())
+    calls = []
+    monkeypatch.setenv("SGLANG_EXT_DRAFT_PREFILL", "full")
     worker = object()  # no draft runner: reaching install() would fail on it
     assert draft_prefill.draft_extend_for_prefill(lambda w, b: calls.append(b) or "upstream", worker, "batch") \
         == "upstream"
