@@ -84,8 +84,10 @@ def pool_sizes_after(result, self, available_bytes, page_size, *args, **kwargs):
     if split is not None and result is not None:
         budget = max(int(available_bytes) - compat.fixed_pool_overhead_bytes(self), 0)
         s = PoolSplit(budget, split[0], split[1], int(page_size))
-        logger.info("[sglang_ext] KV pool split: %s; SGLang sized %d tokens", s.describe(),
-                    result.max_total_num_tokens)
+        cap = getattr(server_args(), "max_total_tokens", None)  # SGLang applies it after this sizing
+        capped = f" (--max-total-tokens {cap} caps both pools)" if cap and cap < result.max_total_num_tokens else ""
+        logger.info("[sglang_ext] KV pool split: %s; SGLang sized %d tokens%s", s.describe(),
+                    result.max_total_num_tokens, capped)
     return result
 
 
