@@ -472,8 +472,9 @@ def compare_arms(arms: list[str], levels: list[int], repeats: int, input_len: in
             its log's error instead of measuring 0 tokens/s at every later level."""
             if not run["failed_requests"] or servers[arm].proc.poll() is None:
                 return False
-            rows[arm]["error"] = f"server exited {where}: {servers[arm].last_error()}\n{servers[arm].log()[-3000:]}"
-            print(f"[bench] {arm}: server exited {where}: {servers[arm].last_error()}", flush=True)
+            error = f"server exited {where}: {servers[arm].last_error()}"
+            rows[arm]["error"] = f"{error}\n{servers[arm].log()[-3000:]}"
+            print(f"[bench] {arm}: {error}", flush=True)
             live.remove(arm)
             return True
 
