@@ -96,17 +96,16 @@ def held_requests(spans: list[list[float]], factor: float = 3.0) -> int:
     return held
 
 
-def first_wave_phases(spans: list[list[float]], concurrency: int) -> dict | None:
-    """Where a repeat's time goes, from its requests' [start, first token, end] (`per_request_ms`): the first
-    `concurrency` requests to start arrive together, so the last first token among them closes their prefill
-    (`prefill_span_ms`, from the first start; it holds every prefill chunk and whatever the server ran between them),
-    and their decode runs from each one's first token to its end (`decode_span_ms`, the mean)."""
-    wave = sorted(spans, key=lambda r: r[0])[:concurrency]
-    if not wave:
-        return None
-    t0 = wave[0][0]
-    return {"prefill_span_ms": round(max(f for _, f, _ in wave) - t0, 1),
-            "decode_span_ms": round(statistics.mean(e - f for _, f, e in wave), 1)}
+def wave_phases(spans: list[list[float]], concurrency: int) -> list[dict]:
+    """Where a repeat's time goes, wave by wave, from its requests' [start, first token, end] (`per_request_ms`).
+    Each client sends its next request when its last one ends, so in start order every `concurrency` requests form a
+    wave: the first arrives together, the next one request at a time as the first one's requests finish. A wave's
+    `prefill_span_ms` runs from its first start to its last first token (every prefill chunk and whatever the server
+    ran between them); its `decode_span_ms` is the mean from each request's first token to its end."""
+    ordered = sorted(spans, key=lambda r: r[0])
+    waves = [ordered[i:i + concurrency] for i in range(0, len(ordered), concurrency)] if concurrency > 0 else []
+    return [{"prefill_span_ms": round(max(f for _, f, _ in wave) - wave[0][0], 1),
+             "decode_span_ms": round(statistics.mean(e - f for _, f, e in wave), 1)} for wave in waves]
 
 
 def summarize(results: list[dict], wall: float) -> dict:
@@ -122,6 +121,8 @@ def summarize(results: list[dict], wall: float) -> dict:
     spans = [[round(1e3 * (r["start"] - t0), 1), round(1e3 * (r["start"] - t0 + r["ttft"]), 1),
               round(1e3 * (r["start"] - t0 + r["latency"]), 1)] for r in results if "start" in r]
     return {"requests": len(results), "failed_requests": len(failed), "errors": sorted(set(failed))[:5],
+            # the first start on the wall clock: `per_request_ms` against a server log's timestamps (SGLANG_LOG_MS=1)
+            "start_unix": round(t0 + time.time() - time.perf_counter(), 3) if spans else None,
             "output_tokens": tokens, "wall_s": wall,
             "output_tokens_per_s": tokens / wall if wall else 0.0,
             "ttft_mean_s": statistics.mean(r["ttft"] for r in results) if results else 0.0,

@@ -305,6 +305,10 @@ def pool_facts(log: str) -> dict:
     m = re.search(r"max_running_requests=(\d+)", log)
     if m:
         out["max_running_requests"] = int(m.group(1))
+    # SGLang retracts decoding requests when the next decode step's KV does not fit (they are prefilled again
+    # later): requests counted once per retraction, so a server that retracts pays prefills the others do not
+    retracted = [int(n) for n in re.findall(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)", log)]
+    out["retracted_requests"] = sum(retracted)
     return out
 
 
@@ -344,8 +348,9 @@ def repeat_seed(concurrency: int, repeat: int) -> int:
     return 1000 * concurrency + repeat
 
 
-def profile_level(srv, ps: list[str], concurrency: int, output_len: int, steps: int, out_dir: str) -> dict:
-    """Profile `steps` scheduler steps in the middle of a run at `concurrency` (SGLang's /start_profile)."""
+def profile_level(srv, ps: list[str], concurrency: int, output_len: int, steps: int, out_dir: str,
+                  delay_s: float = 3.0) -> dict:
+    """Profile `steps` scheduler steps `delay_s` seconds into a run at `concurrency` (SGLang's /start_profile)."""
     import glob
     import threading
 
@@ -355,7 +360,7 @@ def profile_level(srv, ps: list[str], concurrency: int, output_len: int, steps: 
     before = set(glob.glob(f"{out_dir}/**/*.json*", recursive=True))
     load = threading.Thread(target=measure, args=(srv.url, ps, concurrency, [output_len] * len(ps)))
     load.start()
-    time.sleep(3)  # past the prefills: decode steps at full concurrency
+    time.sleep(delay_s)  # past the prefills (3 s: the first wave's decode at full concurrency)
     # without stacks and shapes (SGLang's defaults record both): their host cost would make the steps look
     # more host-bound than they are; kernel times are unaffected
     srv.post("/start_profile", {"output_dir": out_dir, "num_steps": steps, "activities": ["CPU", "GPU"],
@@ -377,7 +382,8 @@ def level_seed(concurrency: int, purpose: str) -> int:
 
 def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_len: int, max_bs: int,
             mem_fraction: float, port: int, profile_at: set[int] = frozenset(), waves: int = 2,
-            warmup_tokens: int = 32, backend: str | None = None, on_level=None) -> dict:
+            warmup_tokens: int = 32, backend: str | None = None, on_level=None, max_total_tokens: int | None = None,
+            profile_delay_s: float = 3.0) -> dict:
     """Each level: a warm-up pass, a prefill pass, then `repeats` timed passes of `waves` requests per client.
 
     - Warm-up (`warmup_tokens` per request, new prompts, at the level's concurrency; kept as `warmup`): the first
@@ -394,7 +400,7 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
 
     from sglang_ext.eval.bench import run_arm as measure
 
-    args, env = server_args(arm, max_bs, mem_fraction, backend)
+    args, env = server_args(arm, max_bs, mem_fraction, backend, max_total_tokens)
     row = {"arm": arm, "args": args, "env": env, "levels": {}, "waves": waves, "warmup_tokens": warmup_tokens,
            "attention_backend": backend or "default"}
     with Server(f"bench-{arm}", args, env) as srv:
@@ -427,7 +433,7 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
                     on_level(row)
                 if c in profile_at:
                     prof = profile_level(srv, prompts(4 * c, input_len, seed=c + 1), c, output_len, 10,
-                                         f"{WORK}/profiles/{arm}-c{c}")
+                                         f"{WORK}/profiles/{arm}-c{c}", profile_delay_s)
                     row.setdefault("profiles", {})[str(c)] = prof
                     print(f"[bench] {arm} c={c} profile: {json.dumps(prof)}", flush=True)
         except Exception as e:  # noqa: BLE001 -- the server died mid-run (e.g. out of memory): keep the others
@@ -557,23 +563,25 @@ def compare_table(state: dict, arms: list[str], reference: str) -> str:
 
 
 def phases_table(state: dict, arms: list[str]) -> str:
-    """The first wave's prefill and decode spans (`bench.first_wave_phases`), medians over repeats, at each level:
-    how much of a gap in output tokens/s is the prefill of the wave arriving together and how much its decode."""
-    from sglang_ext.eval.bench import first_wave_phases
+    """Each wave's prefill and decode spans (`bench.wave_phases`), medians over repeats, at each level: how much of a
+    gap in output tokens/s is a wave's prefill and how much its decode, for the first wave (arriving together) and
+    the next (arriving as the first one's requests finish, into a pool that holds the earlier requests' prefixes)."""
+    from sglang_ext.eval.bench import wave_phases
 
     rows = state.get("arms", {})
     levels = sorted({int(c) for a in arms for c in rows.get(a, {}).get("levels", {})})
-    out = ["| arm, first wave: prefill span / mean decode span (ms) | " + " | ".join(f"c = {c}" for c in levels)
+    out = ["| arm, wave: prefill span / mean decode span (ms) | " + " | ".join(f"c = {c}" for c in levels)
            + " |", "|---|" + "---|" * len(levels)]
     for arm in arms:
-        cells = []
-        for c in levels:
-            phases = [first_wave_phases(r.get("per_request_ms") or [], c)
-                      for r in rows.get(arm, {}).get("levels", {}).get(str(c), [])]
-            phases = [p for p in phases if p]
-            cells.append(f"{statistics.median(p['prefill_span_ms'] for p in phases):,.0f} / "
-                         f"{statistics.median(p['decode_span_ms'] for p in phases):,.0f}" if phases else "—")
-        out.append(f"| {arm} | " + " | ".join(cells) + " |")
+        per_level = {c: [wave_phases(r.get("per_request_ms") or [], c)
+                         for r in rows.get(arm, {}).get("levels", {}).get(str(c), [])] for c in levels}
+        for w in range(max((len(p) for runs in per_level.values() for p in runs), default=1)):
+            cells = []
+            for c in levels:
+                phases = [p[w] for p in per_level[c] if len(p) > w]
+                cells.append(f"{statistics.median(p['prefill_span_ms'] for p in phases):,.0f} / "
+                             f"{statistics.median(p['decode_span_ms'] for p in phases):,.0f}" if phases else "—")
+            out.append(f"| {arm}, wave {w + 1} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -935,6 +943,11 @@ def main(argv=None) -> int:
     r.add_argument("--profile-at", default=None,
                    help="also profile 10 scheduler steps (GPU busy fraction, top kernels): a concurrency for every "
                         "arm, or ARM:C[,ARM:C...] for some (e.g. nospec:1,zero-accept-protected-verify-decode:1)")
+    r.add_argument("--profile-delay-s", type=float, default=3.0,
+                   help="seconds into the profiled load before the profile starts (3: the first wave's decode at 256 "
+                        "prompt tokens; later: the next wave's, which arrives as the first one's requests finish)")
+    r.add_argument("--max-total-tokens", type=int, default=None,
+                   help="cap each server's KV pool (default: SGLang's sizing from --mem-fraction-static)")
     r.add_argument("--port", type=int, default=30177)
     r.add_argument("--deadline-s", type=float, default=1e9, help="start no arm after this many seconds")
     r.add_argument("--attention-backend", default=None,
@@ -942,7 +955,8 @@ def main(argv=None) -> int:
                         "MLA target on Hopper)")
     cmp_ = sub.add_parser("compare", help="the arms' servers side by side, measured in rotating order")
     for act in r._actions[1:]:
-        if act.dest not in ("arms", "mem_fraction_static", "port", "deadline_s", "profile_at"):
+        if act.dest not in ("arms", "mem_fraction_static", "port", "deadline_s", "profile_at", "profile_delay_s",
+                            "max_total_tokens"):
             cmp_._add_action(act)
     cmp_.add_argument("arms", nargs="+", choices=list(ARMS))
     cmp_.add_argument("--mem-fraction-static", type=float, default=0.9,
@@ -995,8 +1009,9 @@ def main(argv=None) -> int:
                     str(args.input_len), "--output-len", str(args.output_len), "--max-bs", str(args.max_bs),
                     "--waves", str(args.waves), "--warmup-tokens", str(args.warmup_tokens),
                     "--mem-fraction-static", str(args.mem_fraction_static), "--port", str(args.port),
-                    "--deadline-s", str(args.deadline_s)] + \
+                    "--deadline-s", str(args.deadline_s), "--profile-delay-s", str(args.profile_delay_s)] + \
                    ([] if args.profile_at is None else ["--profile-at", args.profile_at]) + \
+                   ([] if args.max_total_tokens is None else ["--max-total-tokens", str(args.max_total_tokens)]) + \
                    ([] if args.attention_backend is None else ["--attention-backend", args.attention_backend])
         if todo:
             main(["run", *todo, *run_opts])
@@ -1034,7 +1049,8 @@ def main(argv=None) -> int:
             row = run_arm(arm, [int(c) for c in args.concurrency.split(",")], args.repeats, args.input_len,
                           args.output_len, args.max_bs, args.mem_fraction_static, args.port,
                           profile_levels_of(args.profile_at, arm), args.waves, args.warmup_tokens,
-                          args.attention_backend, on_level=keep)
+                          args.attention_backend, on_level=keep, max_total_tokens=args.max_total_tokens,
+                          profile_delay_s=args.profile_delay_s)
             state.setdefault("arms", {})[arm] = row
             json.dump(state, open(state_path, "w"))
             if "error" in row:  # the next arm may still run (each arm is its own server)

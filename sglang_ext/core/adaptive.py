@@ -24,7 +24,11 @@ in which nothing was accepted sends the policy to depth 0 whatever the times say
 At k = 0 no acceptance can be measured, so the policy probes the smallest positive depth after
 `probe_every` steps there; each probe that finds speculation still not paying doubles that interval, up to
 `max_probe_every` (a draft that never pays then costs probe_len / max_probe_every of the steps, 0.4% by
-default, instead of 6%), and a probe that pays resets it. Policies of several batch sizes may share one
+default, instead of 6%), and a probe that pays resets it. What a probe costs is measured, not assumed: the time its
+steps and the steps just before it (which bring the draft's state up to date) took beyond depth 0's, and the next
+probe waits at least until that cost is `probe_budget` (1%) of the time spent at depth 0 in between. On an H100 at
+128 requests a probe cost 0.24-0.41 s against 8.4 ms depth-0 steps, where 16 steps at depth 1 would have predicted
+0.04 s: doubling alone from 256 steps spent 4-7% of each 6-second benchmark repeat probing. Policies of several batch sizes may share one
 acceptance window (`window=` a deque): a batch size seen for the first time then stops drafting at its
 first step when nothing was accepted in the shared window, without its own warm-up at full depth. A
 depth below the current one whose step time was never measured at this batch size is run for `explore_len`
@@ -53,7 +57,7 @@ class CostModelPolicy:
     def __init__(self, candidates, initial: int, window: int | collections.deque = 64, time_samples: int = 15,
                  warmup: int = 8, decide_every: int = 8, probe_every: int = 256, probe_len: int = 16,
                  min_gain: float = 0.03, prior_draft_cost: float = 0.15, max_probe_every: int = 4096,
-                 explore_len: int = 8, window_steps: int = 8):
+                 explore_len: int = 8, window_steps: int = 8, probe_budget: float = 0.01):
         self.candidates = sorted(set(int(c) for c in candidates))
         if not self.candidates:
             raise ValueError("candidates must not be empty")
@@ -76,6 +80,8 @@ class CostModelPolicy:
         self.probe_every, self.probe_len, self.min_gain = probe_every, probe_len, min_gain
         self.max_probe_every = max(max_probe_every, probe_every)
         self.probe_interval = probe_every  # steps at depth 0 before the next probe (backs off, see above)
+        self.probe_budget = probe_budget  # the share of depth-0 time a probe that finds nothing may cost
+        self._probe_cost_s, self._probe_cost_steps = 0.0, 0  # this probe's time beyond depth 0's, and its steps
         self.prior_draft_cost = prior_draft_cost
         self._steps = 0
         self._since_decision = 0
@@ -94,6 +100,10 @@ class CostModelPolicy:
         `needs_draft_state` lead): its time is not what a depth-0 step costs and is not recorded as depth 0's. In
         an H100 soak those steps took 18 ms against depth 0's 9 ms, filled depth 0's median just before each probe
         was judged, and the policy drafted at a loss for whole minutes after probes."""
+        if step_seconds is not None and step_seconds > 0 and (self._probing or (before_probe and depth == 0)) \
+                and 0 in self.times:
+            self._probe_cost_s += step_seconds - self.times[0]
+            self._probe_cost_steps += 1
         if step_seconds is not None and step_seconds > 0 and not (before_probe and depth == 0):
             samples = self._samples.setdefault(depth, collections.deque(maxlen=self.time_samples))
             samples.append(step_seconds)
@@ -114,12 +124,12 @@ class CostModelPolicy:
                 return Decision(self.depth, False, "probing")
             decision = self._decide(force=True)
             if self.depth == 0:  # the probe found speculation still not paying: probe less often
-                self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)
-                note = f"; next probe in {self.probe_interval} steps"
+                note = self._back_off()
                 self.last_reason += note
                 decision = Decision(decision.depth, decision.changed, decision.reason + note)
             else:
                 self.probe_interval = self.probe_every
+            self._probe_cost_s, self._probe_cost_steps = 0.0, 0
             return decision
         if self.depth == 0:
             self._at_zero += 1
@@ -130,6 +140,15 @@ class CostModelPolicy:
         if self._steps <= self.warmup or self._since_decision < self.decide_every:
             return Decision(self.depth, False, "waiting")
         return self._decide()
+
+    def _back_off(self) -> str:
+        """After a probe that found nothing: twice the interval, and at least as many depth-0 steps as make the
+        probe's measured cost `probe_budget` of their time; never past `max_probe_every`."""
+        t0, cost = self.times.get(0), max(0.0, self._probe_cost_s)
+        budgeted = int(cost / (self.probe_budget * t0)) + 1 if t0 and self.probe_budget > 0 and cost > 0 else 0
+        self.probe_interval = min(max(2 * self.probe_interval, budgeted), self.max_probe_every)
+        spent = f"; probe cost {1e3 * cost:.0f} ms over {self._probe_cost_steps} steps" if self._probe_cost_steps else ""
+        return f"{spent}; next probe in {self.probe_interval} steps"
 
     def needs_draft_state(self, lead: int) -> bool:
         """Whether the draft must keep its state (its KV of the decoded tokens, its last hidden state) current at

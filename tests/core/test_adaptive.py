@@ -317,3 +317,41 @@ def test_under_the_soaks_step_times_the_policy_keeps_95pct_of_the_best_fixed_dep
     """Across acceptance, with the lead steps' own cost counted: within 5% of the best of depth 0, 1 and 3."""
     got, best = soak_goodput(p)
     assert got >= 0.95 * best, (p, got / best)
+
+
+def probe_replay(budget: float, steps: int) -> tuple[float, list[tuple[int, str]]]:
+    """The 16-layer FA3 benchmark of 2026-12-07 at 128 requests (H100, a head that never accepts): depth 0 8.4 ms a
+    step, 9.1 ms in the 32 steps before a probe (the draft extend runs again), depth 1 10.9 ms and depth 3 20.4 ms by
+    the policy's medians; a repeat holding a probe took 0.24-0.41 s longer than one without, so each probe step here
+    takes 15.6 ms more (0.25 s a probe). Returns the time beyond depth 0's and the probes' verdicts (step, reason)."""
+    pol = CostModelPolicy([0, 1, 3], initial=3, probe_budget=budget)
+    times = {0: 8.4e-3, 1: 10.9e-3, 3: 20.4e-3}
+    extra, verdicts = 0.0, []
+    for step in range(steps):
+        k = pol.depth
+        before_probe = k == 0 and pol.needs_draft_state(32)
+        t = 9.1e-3 if before_probe else times[k] + (15.6e-3 if pol._probing else 0.0)
+        decision = pol.observe(k, [0] * 128 if k else [], t, before_probe=before_probe)
+        extra += t - times[0]
+        if decision.changed and "next probe" in decision.reason:
+            verdicts.append((step, decision.reason))
+    return extra, verdicts
+
+
+def test_a_probe_that_finds_nothing_waits_until_its_measured_cost_is_1pct_of_depth_0s_time():
+    """Doubling from 256 steps put three probes into the benchmark's 2,200 steps at 128 requests (5.6% of the time
+    beyond depth 0's); the next probe now waits until the 312 ms the last one cost is 1% of the depth-0 time between
+    them (3,715 steps): one probe, 2.2%. In the long run it keeps to the 1% (20,000 steps: 0.99% against 1.36%)."""
+    old, old_verdicts = probe_replay(0.0, 2200)
+    new, new_verdicts = probe_replay(0.01, 2200)
+    assert len(old_verdicts) == 3 and len(new_verdicts) == 1
+    assert new_verdicts[0][1].endswith("; probe cost 312 ms over 48 steps; next probe in 3715 steps")
+    assert new / (2200 * 8.4e-3) < 0.025 < 0.05 < old / (2200 * 8.4e-3)
+    long_run = probe_replay(0.01, 20000)[0] / (20000 * 8.4e-3)
+    assert long_run < 0.0101 and long_run < probe_replay(0.0, 20000)[0] / (20000 * 8.4e-3)
+    # a probe that costs little (16 steps 2% above depth 0's) backs off by doubling, as before
+    pol = CostModelPolicy([0, 1, 3], initial=0, probe_every=64)
+    for _ in range(64 + 16 + 1):
+        k = pol.depth
+        pol.observe(k, [0] * 8 if k else [], {0: 10e-3, 1: 10.2e-3}[k])
+    assert pol.probe_interval == 128 and "probe cost 3 ms over 16 steps; next probe in 128 steps" in pol.last_reason

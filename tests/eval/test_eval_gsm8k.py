@@ -140,12 +140,18 @@ def test_bench_stream_parsing_and_summary():
 
 def test_bench_p99_is_nearest_rank_and_requests_are_kept_in_order():
     """p99 of 4 first-token times is the slowest one (the old index gave the 3rd of 4: a 400 ms first request
-    hid behind a 31 ms "p99"), and each request's start, first token and end are kept, from the first start."""
+    hid behind a 31 ms "p99"), and each request's start, first token and end are kept, from the first start, whose
+    wall-clock time is kept too (to read the requests beside a server log's timestamps)."""
+    import time
+
     from sglang_ext.eval import bench
 
-    rows = [{"start": 10.0 + i * 0.5, "ttft": t, "latency": 1.0, "tpot": 0.01, "completion_tokens": 5, "spec": None}
+    t0 = time.perf_counter() - 5.0  # the first request started 5 s ago
+    rows = [{"start": t0 + i * 0.5, "ttft": t, "latency": 1.0, "tpot": 0.01, "completion_tokens": 5, "spec": None}
             for i, t in enumerate([0.4, 0.03, 0.031, 0.029])]
     s = bench.summarize(rows, 3.0)
+    assert abs(s["start_unix"] - (time.time() - 5.0)) < 0.5
+    assert bench.summarize([{"error": "HTTPError"}], 1.0)["start_unix"] is None
     assert s["ttft_p99_s"] == 0.4
     assert s["per_request_ms"][0] == [0.0, 400.0, 1000.0] and s["per_request_ms"][3] == [1500.0, 1529.0, 2500.0]
     assert bench.percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and bench.percentile([5.0], 0.99) == 5.0

@@ -434,20 +434,31 @@ def test_held_requests_found_in_a_recorded_run():
     assert bench.held_requests(wave[:3] + [[8, 130, 2100]]) == 0
 
 
-def test_first_wave_phases_split_a_repeat_into_the_waves_prefill_and_decode():
+def test_wave_phases_split_a_repeat_into_each_waves_prefill_and_decode():
     from sglang_ext.eval import bench
 
-    # two requests arrive together (the wave at concurrency 2), a third after the first one finished
+    # two requests arrive together (the first wave at concurrency 2), a third after the first one finished
     spans = [[0.0, 40.0, 1040.0], [2.0, 90.0, 1090.0], [1040.0, 1070.0, 2000.0]]
-    assert bench.first_wave_phases(spans, 2) == {"prefill_span_ms": 90.0, "decode_span_ms": 1000.0}
-    assert bench.first_wave_phases([], 2) is None
+    assert bench.wave_phases(spans, 2) == [{"prefill_span_ms": 90.0, "decode_span_ms": 1000.0},
+                                           {"prefill_span_ms": 30.0, "decode_span_ms": 930.0}]
+    assert bench.wave_phases([], 2) == []
     # the FA3 run of 2026-12-05 (docs/bench) at 128 requests: the protected server's first wave finishes its prefill
     # ~90 ms after no speculation's (the draft's extend, ~9.5% of this 16-layer target's prefill) and decodes ~2% slower
     state = json.load(open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "bench",
                                         "state-2026-12-05-fa3-protection-c128.json")))
     table = sb.phases_table(state, ["nospec", "zero-accept-protected-warm"])
-    assert "| nospec | 22 / 1,860 | 69 / 1,909 | 224 / 2,088 | 429 / 2,182 | 823 / 2,473 |" in table, table
-    assert "| zero-accept-protected-warm | 24 / 1,876 | 82 / 1,977 | 247 / 2,144 | 470 / 2,216 | 913 / 2,514 |" in table
+    assert "| nospec, wave 1 | 22 / 1,860 | 69 / 1,909 | 224 / 2,088 | 429 / 2,182 | 823 / 2,473 |" in table, table
+    assert "| zero-accept-protected-warm, wave 1 | 24 / 1,876 | 82 / 1,977 | 247 / 2,144 | 470 / 2,216 | 913 / 2,514 |" \
+        in table
+    # concurrency 1 runs four waves (at least 4 requests a repeat), the others two
+    assert "| nospec, wave 4 | 25 / 1,861 | — | — | — | — |" in table
+    # 2026-12-07, 128 requests, the protected server with a 95,446-token pool beside no speculation's 131,072: its
+    # second wave decodes 18% longer than its first (3,077 vs 2,536 ms), no speculation's 1% (2,606 vs 2,577)
+    state = json.load(open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "bench",
+                                        "state-2026-12-07-fa3-draft-prefill-nospec.json")))
+    table = sb.phases_table(state, ["nospec", "zero-accept-protected-warm-last-prefill"])
+    assert "| nospec, wave 2 | 232 / 2,020 | 873 / 2,606 |" in table, table
+    assert "| zero-accept-protected-warm-last-prefill, wave 2 | 256 / 2,017 | 944 / 3,077 |" in table, table
     # 61 layers in fp8 on FA3 (2026-12-06): the protection within 1% of no speculation at 1 / 8 / 32 requests
     state = json.load(open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "bench",
                                         "state-2026-12-06-fa3-61-layers-fp8.json")))
@@ -476,12 +487,14 @@ def test_all_refuses_a_work_directory_built_for_another_target(tmp_path, monkeyp
 
 def test_a_run_stopped_mid_arm_keeps_the_levels_it_measured(tmp_path, monkeypatch):
     """`run` under a time limit: the state file holds every level measured before the stop, the arm marked unfinished
-    (so `all` measures it again), and an arm that ends replaces that with its whole row."""
+    (so `all` measures it again), and an arm that ends replaces that with its whole row: the server's KV pool cap
+    as asked (--max-total-tokens) and the requests SGLang retracted for lack of KV, read from its log."""
     import sglang_ext.eval.bench
 
     class FakeServer:
         def __init__(self, name, args, env, port_number=None):
             self.url, self.ready_s = "http://x:1", 1.0
+            started.append(args)
 
         def __enter__(self):
             return self
@@ -492,8 +505,11 @@ def test_a_run_stopped_mid_arm_keeps_the_levels_it_measured(tmp_path, monkeypatc
         def wait_ready(self, timeout):
             return True
 
-        def log(self):
-            return ""
+        def log(self):  # SGLang 0.5.17's scheduler warnings, twice
+            return "\n".join(f"[2026-12-07 12:00:0{i}] KV cache pool is full. Retract requests. #retracted_reqs: {n}, "
+                             f"#new_tokens_gained: 2048, #new_token_ratio: 0.4000 -> 0.6000" for i, n in ((1, 3), (2, 5)))
+
+    started = []
 
     def measure(url, prompts, concurrency, lengths):
         if lengths[0] == 64 and concurrency == 1 and stop_at_1:
@@ -513,7 +529,10 @@ def test_a_run_stopped_mid_arm_keeps_the_levels_it_measured(tmp_path, monkeypatc
     assert list(kept["levels"]) == ["8"] and kept["levels"]["8"][0]["output_tokens_per_s"] == 80.0
     assert kept["error"] == "unfinished: stopped after concurrency 8"
     assert sb.arms_to_run({"arms": {"nospec": kept}}, ["nospec"], []) == ["nospec"]
+    assert "--max-total-tokens" not in started[0]  # SGLang's own sizing unless asked
     stop_at_1 = False
-    assert sb.main(argv) == 0
+    assert sb.main(argv + ["--max-total-tokens", "131072"]) == 0
     done = json.load(open(tmp_path / "state.json"))["arms"]["nospec"]
     assert list(done["levels"]) == ["8", "1"] and "error" not in done
+    assert started[-1][started[-1].index("--max-total-tokens") + 1] == "131072"
+    assert done["pool"]["retracted_requests"] == 8
