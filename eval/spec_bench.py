@@ -380,6 +380,18 @@ def level_seed(concurrency: int, purpose: str) -> int:
     return 1000 * concurrency + {"warmup": 900, "prefill": 800}[purpose]
 
 
+def exit_error(srv, run: dict) -> str | None:
+    """A server that died (out of memory, a crash) answers nothing: its requests all fail and its process is gone.
+    Then its log's last error line, so that the arm leaves the run with it instead of rows of 0 tokens/s."""
+    if not run.get("failed_requests") or srv.proc.poll() is None:
+        return None
+    return srv.last_error()
+
+
+class ServerExited(RuntimeError):
+    pass
+
+
 def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_len: int, max_bs: int,
             mem_fraction: float, port: int, profile_at: set[int] = frozenset(), waves: int = 2,
             warmup_tokens: int = 32, backend: str | None = None, on_level=None, max_total_tokens: int | None = None,
@@ -408,20 +420,30 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
             row["error"] = f"server did not start: {srv.last_error()}\n{srv.log()[-3000:]}"
             return row
         row["start_s"] = srv.ready_s
-        # first-use kernel compiles, not timed: a batched prefill and a single one (in an earlier run the first
-        # request at concurrency 1 still waited 0.3-0.45 s for its first token after only the batched warm-up)
-        measure(srv.url, prompts(8, input_len, seed=99), 8, [32] * 8)
-        measure(srv.url, prompts(1, input_len, seed=98), 1, [32])
+
+        def checked(run: dict, where: str) -> dict:
+            error = exit_error(srv, run)
+            if error is not None:
+                raise ServerExited(f"server exited {where}: {error}")
+            return run
+
+        c = None
         try:
+            # first-use kernel compiles, not timed: a batched prefill and a single one (in an earlier run the first
+            # request at concurrency 1 still waited 0.3-0.45 s for its first token after only the batched warm-up)
+            checked(measure(srv.url, prompts(8, input_len, seed=99), 8, [32] * 8), "at warm-up")
+            checked(measure(srv.url, prompts(1, input_len, seed=98), 1, [32]), "at warm-up")
             for c in levels:
                 if warmup_tokens > 0:
-                    row.setdefault("warmup", {})[str(c)] = measure(
-                        srv.url, prompts(c, input_len, seed=level_seed(c, "warmup")), c, [warmup_tokens] * c)
-                row.setdefault("prefill", {})[str(c)] = measure(
-                    srv.url, prompts(c, input_len, seed=level_seed(c, "prefill")), c, [1] * c)
+                    row.setdefault("warmup", {})[str(c)] = checked(measure(
+                        srv.url, prompts(c, input_len, seed=level_seed(c, "warmup")), c, [warmup_tokens] * c),
+                        f"in the warm-up pass at concurrency {c}")
+                row.setdefault("prefill", {})[str(c)] = checked(measure(
+                    srv.url, prompts(c, input_len, seed=level_seed(c, "prefill")), c, [1] * c),
+                    f"in the prefill pass at concurrency {c}")
                 n = max(4, waves * c)
-                runs = [measure(srv.url, prompts(n, input_len, seed=repeat_seed(c, r)), c, [output_len] * n)
-                        for r in range(repeats)]
+                runs = [checked(measure(srv.url, prompts(n, input_len, seed=repeat_seed(c, r)), c, [output_len] * n),
+                                f"at concurrency {c}, repeat {r + 1}") for r in range(repeats)]
                 row["levels"][str(c)] = runs
                 tps = [r["output_tokens_per_s"] for r in runs]
                 print(f"[bench] {arm} c={c}: {statistics.mean(tps):.1f} tok/s (min {min(tps):.1f}, max {max(tps):.1f}), "
@@ -436,6 +458,9 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
                                          f"{WORK}/profiles/{arm}-c{c}", profile_delay_s)
                     row.setdefault("profiles", {})[str(c)] = prof
                     print(f"[bench] {arm} c={c} profile: {json.dumps(prof)}", flush=True)
+        except ServerExited as e:  # the levels measured before stay; the next arm may still run
+            row["error"] = f"{e}\n{srv.log()[-3000:]}"
+            print(f"[bench] {arm}: {e}", flush=True)
         except Exception as e:  # noqa: BLE001 -- the server died mid-run (e.g. out of memory): keep the others
             row["error"] = f"{e!r} at concurrency {c}\n" + srv.log()[-3000:]
         log = srv.log()
@@ -474,11 +499,11 @@ def compare_arms(arms: list[str], levels: list[int], repeats: int, input_len: in
                 rows[arm]["error"] = f"server did not start: {srv.last_error()}\n{srv.log()[-3000:]}"
 
         def exited(arm: str, run: dict, where: str) -> bool:
-            """A server that died (out of memory beside the others, a crash) answers nothing: it leaves the run with
-            its log's error instead of measuring 0 tokens/s at every later level."""
-            if not run["failed_requests"] or servers[arm].proc.poll() is None:
+            """A server that died beside the others leaves the run with its log's error (`exit_error`)."""
+            last = exit_error(servers[arm], run)
+            if last is None:
                 return False
-            error = f"server exited {where}: {servers[arm].last_error()}"
+            error = f"server exited {where}: {last}"
             rows[arm]["error"] = f"{error}\n{servers[arm].log()[-3000:]}"
             print(f"[bench] {arm}: {error}", flush=True)
             live.remove(arm)

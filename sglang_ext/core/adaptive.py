@@ -28,9 +28,10 @@ default, instead of 6%), and a probe that pays resets it. What a probe costs is 
 steps and the steps just before it (which bring the draft's state up to date) took beyond depth 0's, and the next
 probe waits at least until that cost is `probe_budget` (1%) of the time spent at depth 0 in between. On an H100 at
 128 requests a probe cost 0.24-0.41 s against 8.4 ms depth-0 steps, where 16 steps at depth 1 would have predicted
-0.04 s: doubling alone from 256 steps spent 4-7% of each 6-second benchmark repeat probing. Policies of several batch sizes may share one
-acceptance window (`window=` a deque): a batch size seen for the first time then stops drafting at its
-first step when nothing was accepted in the shared window, without its own warm-up at full depth. A
+0.04 s: doubling alone from 256 steps spent 4-7% of each 6-second benchmark repeat probing.
+Policies of several batch sizes may share one acceptance window (`window=` a deque): a batch size seen for the first
+time then stops drafting at its first step when nothing was accepted in the shared window, without its own warm-up
+at full depth. A
 depth below the current one whose step time was never measured at this batch size is run for `explore_len`
 steps before the policy relies on a modelled time for it: on an H200 a draft accepting 2 of 3 at 128
 requests took 54 ms per step at depth 3, where the model (with only depth 3 measured) put depth 0 at
@@ -147,7 +148,8 @@ class CostModelPolicy:
         t0, cost = self.times.get(0), max(0.0, self._probe_cost_s)
         budgeted = int(cost / (self.probe_budget * t0)) + 1 if t0 and self.probe_budget > 0 and cost > 0 else 0
         self.probe_interval = min(max(2 * self.probe_interval, budgeted), self.max_probe_every)
-        spent = f"; probe cost {1e3 * cost:.0f} ms over {self._probe_cost_steps} steps" if self._probe_cost_steps else ""
+        steps = self._probe_cost_steps
+        spent = f"; probe cost {1e3 * cost:.0f} ms over {steps} steps" if steps else ""
         return f"{spent}; next probe in {self.probe_interval} steps"
 
     def needs_draft_state(self, lead: int) -> bool:

@@ -448,8 +448,8 @@ def test_wave_phases_split_a_repeat_into_each_waves_prefill_and_decode():
                                         "state-2026-12-05-fa3-protection-c128.json")))
     table = sb.phases_table(state, ["nospec", "zero-accept-protected-warm"])
     assert "| nospec, wave 1 | 22 / 1,860 | 69 / 1,909 | 224 / 2,088 | 429 / 2,182 | 823 / 2,473 |" in table, table
-    assert "| zero-accept-protected-warm, wave 1 | 24 / 1,876 | 82 / 1,977 | 247 / 2,144 | 470 / 2,216 | 913 / 2,514 |" \
-        in table
+    assert ("| zero-accept-protected-warm, wave 1 | 24 / 1,876 | 82 / 1,977 | 247 / 2,144 | 470 / 2,216 "
+            "| 913 / 2,514 |") in table
     # concurrency 1 runs four waves (at least 4 requests a repeat), the others two
     assert "| nospec, wave 4 | 25 / 1,861 | — | — | — | — |" in table
     # 2026-12-07, 128 requests, the protected server with a 95,446-token pool beside no speculation's 131,072: its
@@ -506,8 +506,9 @@ def test_a_run_stopped_mid_arm_keeps_the_levels_it_measured(tmp_path, monkeypatc
             return True
 
         def log(self):  # SGLang 0.5.17's scheduler warnings, twice
-            return "\n".join(f"[2026-12-07 12:00:0{i}] KV cache pool is full. Retract requests. #retracted_reqs: {n}, "
-                             f"#new_tokens_gained: 2048, #new_token_ratio: 0.4000 -> 0.6000" for i, n in ((1, 3), (2, 5)))
+            line = ("[2026-12-07 12:00:0{}] KV cache pool is full. Retract requests. #retracted_reqs: {}, "
+                    "#new_tokens_gained: 2048, #new_token_ratio: 0.4000 -> 0.6000")
+            return "\n".join(line.format(i, n) for i, n in ((1, 3), (2, 5)))
 
     started = []
 
@@ -536,3 +537,50 @@ def test_a_run_stopped_mid_arm_keeps_the_levels_it_measured(tmp_path, monkeypatc
     assert list(done["levels"]) == ["8", "1"] and "error" not in done
     assert started[-1][started[-1].index("--max-total-tokens") + 1] == "131072"
     assert done["pool"]["retracted_requests"] == 8
+
+
+def test_a_run_whose_server_dies_keeps_what_it_measured_and_says_what_it_died_of(tmp_path, monkeypatch):
+    """`run`, one server at a time: a server that exits mid-arm (out of memory in a 128-request prefill) answers every
+    later request with an error. The arm keeps the levels measured before, and leaves with the log's error line and
+    where it died, not with rows of 0 tokens/s for the levels after."""
+    import sglang_ext.eval.bench
+
+    dead = []
+
+    class FakeServer:
+        def __init__(self, name, args, env, port_number=None):
+            self.url, self.ready_s = "http://x:1", 1.0
+            self.proc = type("P", (), {"poll": lambda _: 1 if dead else None})()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def wait_ready(self, timeout):
+            return True
+
+        def log(self):
+            return "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" if dead else ""
+
+        def last_error(self):
+            return self.log().splitlines()[-1] if dead else "no error line"
+
+    def measure(url, prompts, concurrency, lengths):
+        if concurrency == 128 and lengths == [1] * 128:
+            dead.append(True)
+        if dead:
+            return {"output_tokens_per_s": 0.0, "failed_requests": len(prompts), "tpot_mean_s": None,
+                    "ttft_mean_s": 0.0, "wall_s": 0.0, "accepted_drafts_per_step": None}
+        return {"output_tokens_per_s": 10.0 * concurrency, "failed_requests": 0, "tpot_mean_s": 0.01,
+                "ttft_mean_s": 0.1, "wall_s": 0.1, "accepted_drafts_per_step": None}
+
+    monkeypatch.setattr(sb, "WORK", str(tmp_path))
+    monkeypatch.setattr(sb, "prompts", lambda n, input_len, seed=0: ["p"] * n)
+    monkeypatch.setattr(sglang_ext.eval.bench, "run_arm", measure)
+    monkeypatch.setattr(sb, "serverlib", lambda: type("L", (), {"Server": FakeServer, "tp_args": lambda tp: []}))
+    assert sb.main(["run", "nospec", "--concurrency", "8,128,1", "--repeats", "1", "--output-len", "64"]) == 0
+    row = json.load(open(tmp_path / "state.json"))["arms"]["nospec"]
+    assert list(row["levels"]) == ["8"] and row["levels"]["8"][0]["output_tokens_per_s"] == 80.0
+    assert row["error"].startswith("server exited in the prefill pass at concurrency 128: torch.OutOfMemoryError")
