@@ -287,7 +287,7 @@ def server_args(arm: str, max_bs: int, mem_fraction: float, backend: str | None 
     if head is not None:
         args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", f"{WORK}/head-{head}",
                  *drafting]
-    env = dict(env)
+    env = dict(env, SGLANG_LOG_MS="1")  # log times to the millisecond: the policy's probes against each repeat
     if simulated:
         env[SIM] = os.environ.get("SPEC_BENCH_SIM", "3.0")
     return args, env
@@ -468,6 +468,7 @@ def run_arm(arm: str, levels: list[int], repeats: int, input_len: int, output_le
         adaptive = adaptive_facts(log)
         if adaptive:
             row["adaptive"] = adaptive
+            mark_probes(row, log)
     return row
 
 
@@ -555,6 +556,7 @@ def compare_arms(arms: list[str], levels: list[int], repeats: int, input_len: in
             adaptive = adaptive_facts(log)
             if adaptive:
                 rows[arm]["adaptive"] = adaptive
+                mark_probes(rows[arm], log)
     return rows
 
 
@@ -583,6 +585,20 @@ def compare_table(state: dict, arms: list[str], reference: str) -> str:
             ref = med(reference, c)
             ratio = "" if arm == reference or not ref else f", {statistics.median(tps) / ref:.3f}x"
             cells.append(f"{statistics.median(tps):,.0f} ({min(tps):,.0f}-{max(tps):,.0f}{ratio})")
+        out.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def repeats_table(state: dict, arms: list[str]) -> str:
+    """Each repeat's output tokens/s in the order run, with the cost policy's probes inside it in brackets where the
+    server logged them (`mark_probes`): the spread of a protected arm is read against its probes."""
+    rows = state.get("arms", {})
+    levels = sorted({int(c) for a in arms for c in rows.get(a, {}).get("levels", {})})
+    out = ["| arm, each repeat: output tok/s (probes) | " + " | ".join(f"c = {c}" for c in levels) + " |",
+           "|---|" + "---|" * len(levels)]
+    for arm in arms:
+        cells = [" / ".join(f"{r['output_tokens_per_s']:,.0f}" + (f" ({r['probes']})" if "probes" in r else "")
+                            for r in rows.get(arm, {}).get("levels", {}).get(str(c), [])) or "—" for c in levels]
         out.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -624,6 +640,28 @@ def profile_levels_of(spec: str | None, arm: str) -> set[int]:
             raise SystemExit(f"--profile-at {spec!r}: {part!r} is not ARM:CONCURRENCY with ARM one of {list(ARMS)}")
         levels.setdefault(name, set()).add(int(level))
     return levels.get(arm, set())
+
+
+PROBE_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(\.\d{3})?\] \[sglang_ext\] adaptive speculation: "
+                        r"depth 0 -> \d+: probe", re.M)
+
+
+def probe_times(log: str) -> list[float]:
+    """When the cost policy probed (seconds since the epoch), from a server log's timestamps: SGLang writes the local
+    time, to the millisecond under SGLANG_LOG_MS=1 (this harness's servers), else to the second."""
+    return [time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + (float(ms) if ms else 0.0)
+            for stamp, ms in PROBE_LINE.findall(log)]
+
+
+def mark_probes(row: dict, log: str) -> None:
+    """Each timed repeat's `probes`: how many of the policy's probes began inside it. On FA3 at 128 requests the
+    repeats holding one ran at 0.91-0.93x of no speculation and the one without at 0.97x (docs/benchmarks.md,
+    2026-12-07): a repeat's speed is read beside its probes."""
+    times = probe_times(log)
+    for runs in row.get("levels", {}).values():
+        for run in runs:
+            if run.get("start_unix") is not None:
+                run["probes"] = sum(run["start_unix"] <= t <= run["start_unix"] + run["wall_s"] for t in times)
 
 
 def adaptive_facts(log: str) -> dict | None:
@@ -1045,6 +1083,8 @@ def main(argv=None) -> int:
     state = json.load(open(state_path)) if os.path.exists(state_path) else {}
     if args.cmd == "table":
         print(compare_table(state, args.arms, args.reference))
+        print()
+        print(repeats_table(state, args.arms))
         print()
         print(phases_table(state, args.arms))
         return 0

@@ -584,3 +584,32 @@ def test_a_run_whose_server_dies_keeps_what_it_measured_and_says_what_it_died_of
     row = json.load(open(tmp_path / "state.json"))["arms"]["nospec"]
     assert list(row["levels"]) == ["8"] and row["levels"]["8"][0]["output_tokens_per_s"] == 80.0
     assert row["error"].startswith("server exited in the prefill pass at concurrency 128: torch.OutOfMemoryError")
+
+
+def test_each_repeat_is_read_beside_the_probes_the_policy_ran_in_it(monkeypatch):
+    """The FA3 runs of 2026-12-07 at 128 requests (docs/bench: the states and the protected servers' policy lines,
+    logged to the millisecond): before the probe budget two of three repeats held a probe and ran at 0.931x / 0.910x
+    of no speculation, the third at 0.970x; with it one repeat of three held one."""
+    import time
+
+    bench_dir = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "bench")
+    arm = "zero-accept-protected-warm-last-prefill"
+    got = {}
+    with monkeypatch.context() as m:  # both machines log UTC, which the log's times are read as
+        m.setenv("TZ", "UTC")
+        time.tzset()
+        for name, log in (("state-2026-12-07-fa3-c128-probes.json", "policy-2026-12-07-fa3-c128-probes.log"),
+                          ("state-2026-12-07-fa3-probe-budget.json", "policy-2026-12-07-fa3-probe-budget.log")):
+            state = json.load(open(os.path.join(bench_dir, name)))
+            sb.mark_probes(state["arms"][arm], open(os.path.join(bench_dir, log)).read())
+            got[name] = [r["probes"] for r in state["arms"][arm]["levels"]["128"]]
+            table = sb.repeats_table(state, ["nospec", arm])
+        # a log without milliseconds still places a probe within its second
+        line = "[2026-12-07 12:07:31] [sglang_ext] adaptive speculation: depth 0 -> 1: probe acceptance for 16 steps"
+        assert sb.probe_times(line) == [time.mktime(time.strptime("2026-12-07 12:07:31", "%Y-%m-%d %H:%M:%S"))]
+    time.tzset()
+    assert got == {"state-2026-12-07-fa3-c128-probes.json": [1, 1, 0],
+                   "state-2026-12-07-fa3-probe-budget.json": [1, 0, 0]}
+    assert "| nospec | 136 / 136 / 136 | 3,498 / 3,633 / 3,632 | 10,974 / 11,034 / 11,027 |" in table
+    assert f"| {arm} | 133 (2) / 134 (1) / 135 (0) | 3,553 (1) / 3,556 (1) / 3,591 (0) | 10,463 (1) / 10,326 (0) / " \
+           "10,768 (0) |" in table
