@@ -27,13 +27,12 @@ At k = 0 no acceptance can be measured, so the policy probes the smallest positi
 default, instead of 6%), and a probe that pays resets it. What a probe costs is measured, not assumed: the time its
 steps and the steps just before it (which bring the draft's state up to date) took beyond depth 0's, and the next
 probe waits at least until that cost is `probe_budget` (1%) of the time spent at depth 0 in between. On an H100 at
-128 requests a probe cost 0.24-0.41 s against 8.4 ms depth-0 steps, where 16 steps at depth 1 would have predicted
-0.04 s: doubling alone from 256 steps spent 4-7% of each 6-second benchmark repeat probing.
-Policies of several batch sizes may share one acceptance window (`window=` a deque): a batch size seen for the first
-time then stops drafting at its first step when nothing was accepted in the shared window, without its own warm-up
-at full depth. A
-depth below the current one whose step time was never measured at this batch size is run for `explore_len`
-steps before the policy relies on a modelled time for it: on an H200 a draft accepting 2 of 3 at 128
+128 requests (8.4 ms depth-0 steps) a probe's 16 depth-1 steps predicted 0.04 s, this clock measured 0.16 s, and the
+6-second benchmark repeats that held a probe ran 4-6% slower than the one that did not: doubling from 256 steps
+alone put three probes in a benchmark level, the budget one. Policies of several batch sizes may share one
+acceptance window (`window=` a deque): a batch size seen for the first time then stops drafting at its first step
+when nothing was accepted in the shared window, without its own warm-up at full depth. A depth below the current
+one whose step time was never measured at this batch size is run for `explore_len` steps before the policy relies on a modelled time for it: on an H200 a draft accepting 2 of 3 at 128
 requests took 54 ms per step at depth 3, where the model (with only depth 3 measured) put depth 0 at
 37 ms against its real 14.5 ms, and the policy kept drafting at 0.83x of no speculation. A
 switch needs a predicted gain above `min_gain`; every switch states why.
