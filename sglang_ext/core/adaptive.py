@@ -32,9 +32,10 @@ probe waits at least until that cost is `probe_budget` (1%) of the time spent at
 alone put three probes in a benchmark level, the budget one. Policies of several batch sizes may share one
 acceptance window (`window=` a deque): a batch size seen for the first time then stops drafting at its first step
 when nothing was accepted in the shared window, without its own warm-up at full depth. A depth below the current
-one whose step time was never measured at this batch size is run for `explore_len` steps before the policy relies on a modelled time for it: on an H200 a draft accepting 2 of 3 at 128
-requests took 54 ms per step at depth 3, where the model (with only depth 3 measured) put depth 0 at
-37 ms against its real 14.5 ms, and the policy kept drafting at 0.83x of no speculation. A
+one whose step time was never measured at this batch size is run for `explore_len` steps before the policy relies
+on a modelled time for it: on an H200 a draft accepting 2 of 3 at 128 requests took 54 ms per step at depth 3, where
+the model (with only depth 3 measured) put depth 0 at 37 ms against its real 14.5 ms, and the policy kept drafting
+at 0.83x of no speculation. A
 switch needs a predicted gain above `min_gain`; every switch states why.
 Pure Python: the SGLang adapter feeds it, the CPU tests drive it with synthetic traces.
 """
