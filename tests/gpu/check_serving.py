@@ -20,6 +20,8 @@ GPU_CHECK_PARALLEL=N starts N arms' servers side by side (a start is most of an 
 capped KV pool (GPU_CHECK_MEM_FRACTION / GPU_CHECK_MAX_TOTAL_TOKENS, defaults in serverlib.launch_args).
 
     PYTHONPATH=/tmp/site:. python tests/gpu/check_serving.py [ARM ...]   (default: all arms)
+    GPU_CHECK_TRAIN_DEVICE=cpu python tests/gpu/check_serving.py prepare   (the target, prompts and both heads only,
+        e.g. on a CPU ahead of a GPU run: ~20 min on 2 cores; then carry GPU_CHECK_WORK over)
 """
 
 from __future__ import annotations
@@ -607,7 +609,27 @@ def groups_of(arms: list[str], parallel: int, headless_apart: bool = False) -> l
     return [headless[i:i + n] for i in range(0, len(headless), n)] + [rest[i:i + n] for i in range(0, len(rest), n)]
 
 
+def prepare() -> int:
+    """The check's target, prompts and heads in WORK, built and trained where missing, and nothing served: what
+    check_serving and check_traffic start from (the training runs on GPU_CHECK_TRAIN_DEVICE)."""
+    os.makedirs(WORK, exist_ok=True)
+    state_path = f"{WORK}/state.json"
+    state = json.load(open(state_path)) if os.path.exists(state_path) else {}
+    if "prompts" not in state or not os.path.exists(f"{WORK}/target/model.safetensors"):
+        state["prompts"] = build()
+        json.dump(state, open(state_path, "w"))
+    trainer = train_heads()
+    if trainer is not None and trainer.wait() != 0:
+        print(open(f"{WORK}/train.log").read()[-3000:], flush=True)
+        return 1
+    print(f"[check] {WORK}: target, {len(state['prompts'])} prompts, heads "
+          f"{[h for h in ('mha', 'mla') if os.path.exists(f'{WORK}/head-{h}/model.safetensors')]}", flush=True)
+    return 0
+
+
 def main():
+    if sys.argv[1:] == ["prepare"]:
+        raise SystemExit(prepare())
     os.makedirs(OUT, exist_ok=True)  # the report goes there at the end: a missing folder must not lose a run
     arms = sys.argv[1:] or list(ARMS)
     unknown = [a for a in arms if a not in ARMS]

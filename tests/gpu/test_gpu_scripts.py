@@ -705,3 +705,40 @@ def test_servers_started_side_by_side_get_a_capped_pool_and_a_fraction_that_leav
     monkeypatch.setenv("GPU_CHECK_MEM_FRACTION", "0.5")
     monkeypatch.setenv("GPU_CHECK_MAX_TOTAL_TOKENS", "20000")
     assert memory(serverlib.launch_args()) == ("0.5", "20000")  # what the caller sets wins
+
+
+def test_prepare_builds_and_trains_what_is_missing_and_serves_nothing(tmp_path, monkeypatch, capsys):
+    """`check_serving.py prepare` (e.g. on a CPU before a GPU run): the target and prompts built once, the missing heads
+    trained, a failed training reported with its log and exit status 1, and no server started."""
+    sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+    import check_serving as CS
+
+    built, trained = [], []
+
+    def build():
+        os.makedirs(f"{CS.WORK}/target", exist_ok=True)
+        open(f"{CS.WORK}/target/model.safetensors", "w").write("x")
+        built.append(1)
+        return [[1, 2, 3]] * 5
+
+    def train_heads():
+        trained.append(1)
+        open(f"{CS.WORK}/train.log", "w").write("[train-draft] loss is nan at step 3")
+        return subprocess.Popen(["false" if fail else "true"])
+
+    monkeypatch.setattr(CS, "WORK", str(tmp_path))
+    monkeypatch.setattr(CS, "build", build)
+    monkeypatch.setattr(CS, "train_heads", train_heads)
+    monkeypatch.setattr(CS, "Server", lambda *a, **k: pytest.fail("prepare started a server"))
+    monkeypatch.setattr(sys, "argv", ["check_serving.py", "prepare"])
+    fail = False
+    with pytest.raises(SystemExit) as done:
+        CS.main()
+    assert done.value.code == 0 and built == [1] and trained == [1]
+    assert json.load(open(tmp_path / "state.json"))["prompts"] == [[1, 2, 3]] * 5
+    assert "5 prompts" in capsys.readouterr().out
+    fail = True
+    with pytest.raises(SystemExit) as done:
+        CS.main()
+    assert done.value.code == 1 and built == [1]  # the target is there: not built again
+    assert "loss is nan at step 3" in capsys.readouterr().out
