@@ -19,7 +19,8 @@ x 4 B = 671 MB for Kimi-K2.5, rewritten every verify step. So ``--speculative-ml
 this path only under ``--enable-deterministic-inference``; ``decode`` takes it always (its speed is not measured);
 ``extend`` never.
 
-Extends (SGLang 0.5.17):
+Extends (SGLang 0.5.17; 0.5.23's FA3 backend reads the same and passes the CPU check, not yet registered: see
+docs/design.md):
   * ``attention_backend_setup._build_full_attention_backend_from_str`` (AFTER) -- an FA3 backend for which the path
     applies gets its ``forward_extend`` wrapped on the instance. The FA3 module imports sgl_kernel at import time, so
     its class cannot be hooked by name where sgl_kernel is absent (the plugin's CPU tests and tools); every attention
@@ -67,8 +68,13 @@ def reasons(backend, deterministic: bool, mode: str) -> list[str]:
         out.append(f"KV cache dtype {backend.kv_cache_dtype_str}")
     if getattr(backend, "has_swa", False) or getattr(backend, "has_local_attention", False):
         out.append("sliding-window or local attention")
-    if getattr(backend, "_unified_dense", False):
+    # 0.5.17 marks a unified pool `_unified_dense`; 0.5.23 a translating `kv_index_translator` (page tables of
+    # virtual indices) or a sharded pool: the rows' page table would need the same translation
+    if getattr(backend, "_unified_dense", False) or \
+            getattr(getattr(backend, "kv_index_translator", None), "is_translating", False):
         out.append("a unified (translated) KV pool")
+    if getattr(backend, "_kv_shard_pool", None) is not None:
+        out.append("a sharded KV pool")
     if getattr(backend, "attn_cp_size", 1) > 1:
         out.append("attention context parallelism")
     return out
@@ -157,8 +163,11 @@ def built_after(result, *args, model_runner=None, backend_str=None, **kwargs):
     target with a draft tree)."""
     if type(result).__name__ != "FlashAttentionBackend" or model_runner is None:
         return result
-    why = reasons(result, bool(getattr(model_runner.server_args, "enable_deterministic_inference", False)),
-                  settings.current().mla_verify)
+    # deterministic: the operator's flag, or the one KV split the backend resolved (0.5.23 resolves deterministic
+    # mode from other flags too, e.g. --rl-on-policy-target, leaving the raw server_args flag False)
+    deterministic = bool(getattr(model_runner.server_args, "enable_deterministic_inference", False)) or \
+        getattr(result, "num_splits", 0) == 1
+    why = reasons(result, deterministic, settings.current().mla_verify)
     if not why:
         result.forward_extend = functools.partial(forward_extend, result.forward_extend, result)
         logger.info("[sglang_ext] FA3 draft-tree verify runs as decode attention (one row per verify token)")

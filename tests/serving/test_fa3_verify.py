@@ -19,8 +19,8 @@ def built_for_this_release() -> bool:
 
 @pytest.fixture(scope="module")
 def worker():
-    if not built_for_this_release():
-        pytest.skip("the decode-row tree verify is built for SGLang 0.5.17 (its FA3 backend read there)")
+    # run against every installed release, registered or not: the installed SGLang's own FA3 metadata and cascade
+    # are what the rows must reproduce (0.5.23's read the same; the hook is registered where a GPU run confirmed it)
     p = python_run([os.path.join(HERE, "fa3_verify_worker.py")], timeout=900,
                    env=dict(os.environ, TRITON_INTERPRET="1"))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -63,6 +63,10 @@ def test_only_deterministic_mode_takes_it_by_default(worker):
     ("auto", True, {"kv_cache_dtype_str": "fp8_e4m3"}, ["fp8_e4m3"]),
     ("auto", True, {"page_size": 64}, ["page size 64"]),
     ("auto", True, {"is_draft_runner": True}, ["draft"]),
+    ("auto", True, {"_unified_dense": True}, ["unified"]),  # 0.5.17's mark
+    ("auto", True, {"kv_index_translator": types.SimpleNamespace(is_translating=True)}, ["unified"]),  # 0.5.23's
+    ("auto", True, {"kv_index_translator": types.SimpleNamespace(is_translating=False)}, []),
+    ("auto", True, {"_kv_shard_pool": object()}, ["sharded"]),
 ])
 def test_where_the_rows_apply(mode, deterministic, attrs, expected):
     from sglang_ext.serving import fa3_verify
@@ -91,3 +95,24 @@ def test_the_startup_warning_names_why_trees_are_not_exact():
     _, warnings = pair.backend_errors(target, draft, "fa3", "fa3", 4, True, fa3_trees_inexact=why)
     assert len(warnings) == 1 and "--kv-cache-dtype fp8_e4m3" in warnings[0] and "not equal" in warnings[0]
     assert "extend" in fa3_verify.server_reason(settings.Settings(mla_verify="extend"), None)
+
+
+def test_deterministic_is_the_flag_or_the_one_kv_split_the_backend_resolved():
+    """SGLang 0.5.23 resolves deterministic mode from more than --enable-deterministic-inference (--rl-on-policy-target
+    turns it on in the resolved settings only) and then runs FA3 with one KV split: that backend's trees take the
+    rows too; a backend with split-KV (num_splits 0) and no flag keeps the cascade under `auto`."""
+    from sglang_ext.serving import fa3_verify
+
+    class FlashAttentionBackend(types.SimpleNamespace):
+        def forward_extend(self, *args, **kwargs):
+            return "cascade"
+
+    def built(num_splits, flag):
+        be = FlashAttentionBackend(use_mla=True, topk=4, page_size=1, kv_cache_dtype_str="auto", fa_impl_ver=3,
+                                   is_draft_runner=False, num_splits=num_splits)
+        runner = types.SimpleNamespace(server_args=types.SimpleNamespace(enable_deterministic_inference=flag))
+        return fa3_verify.built_after(be, model_runner=runner, backend_str="fa3")
+
+    assert "forward_extend" in built(1, False).__dict__  # wrapped on the instance
+    assert "forward_extend" in built(0, True).__dict__
+    assert "forward_extend" not in built(0, False).__dict__

@@ -1,4 +1,4 @@
-"""Run by tests/serving/test_fa3_verify.py: the installed SGLang's own FlashAttentionBackend (0.5.17) on a draft-tree
+"""Run by tests/serving/test_fa3_verify.py: the installed SGLang's own FlashAttentionBackend (0.5.17, 0.5.23) on a draft-tree
 target-verify batch of an MLA layer, on the CPU -- its own metadata (`init_forward_metadata`: the prefix table and the
 "expand" table of each verify token's visible draft tokens) and its own `forward_extend` (cascade attention: a prefix
 pass, an expand pass, a merge), against the plugin's decode-row verify (sglang_ext.serving.fa3_verify, wrapped on the
@@ -35,7 +35,14 @@ from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-from sglang_ext.serving import fa3_verify  # noqa: E402
+from sglang_ext.serving import compat, fa3_verify  # noqa: E402
+
+if compat.at_least("0.5.21"):
+    # SGLang 0.5.21+ reads the parallel topology from the runtime context, which a server publishes; this process
+    # states the one the pools and the backend run in here (one rank, no context parallelism)
+    from sglang.srt.runtime_context import get_parallel  # noqa: E402
+
+    get_parallel().override_permanently(dcp_enabled=False, attn_dcp_size=1, attn_dcp_rank=0)
 
 CALLS = []
 
@@ -99,7 +106,11 @@ def backend(deterministic: bool):
         kv_cache_is_mxfp8=False, num_splits=1 if deterministic else 0, is_encoder_decoder=False,
         is_prefill_aware_swa=False, use_sliding_window_kv_pool=False, full_cg_prefill_metadata=None,
         _sched_meta_buf=None, skip_prefill=False, _unified_dense=False,
-        _get_scheduler_metadata=None)
+        _get_scheduler_metadata=None,
+        # SGLang 0.5.23's __init__ also sets these (no index translation, no KV sharding, the FA3 split policy)
+        kv_index_translator=types.SimpleNamespace(is_translating=False), _kv_shard_pool=None, local_attn_builder=None,
+        _get_fa_runtime_policy=None, decode_num_splits=1 if deterministic else 0,
+        _decode_uses_static_max_seqlen_k=False, _verify_mask=None)
     return be
 
 
@@ -110,7 +121,8 @@ def verify_batch():
     return types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, spec_info=spec, batch_size=bs,
                                  req_pool_indices=req_pool_indices, seq_lens=prefix, seq_lens_cpu=prefix,
                                  seq_lens_sum=int(prefix.sum()), out_cache_loc=out_cache_loc, encoder_lens=None,
-                                 attn_cp_metadata=None, attn_attend_prefix_cache=None, _attn_output=None)
+                                 attn_cp_metadata=None, attn_attend_prefix_cache=None, _attn_output=None,
+                                 out_cache_loc_is_physical=True)  # 0.5.23's KV write location: no translation
 
 
 def run(be, fb, q, q_rope, k, k_rope):
@@ -203,7 +215,8 @@ plain = backend(deterministic=True)
 decode = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, spec_info=None, batch_size=bs,
                                req_pool_indices=req_pool_indices, seq_lens=prefix + 1, seq_lens_cpu=prefix + 1,
                                seq_lens_sum=int(prefix.sum()) + bs, out_cache_loc=out_cache_loc[::n],
-                               encoder_lens=None, attn_cp_metadata=None, _attn_output=None)
+                               encoder_lens=None, attn_cp_metadata=None, _attn_output=None,
+                               out_cache_loc_is_physical=True)
 plain.init_forward_metadata(decode)
 CALLS.clear()
 plain.forward_decode(q[0][::n], k[0][::n], k[0][::n], layers[0], decode, True, q_rope=q_rope[0][::n],
