@@ -1,8 +1,9 @@
 """Run by tests/serving/test_fa3_verify.py: the installed SGLang's own FlashAttentionBackend (0.5.17, 0.5.23) on a
 draft-tree target-verify batch of an MLA layer, on the CPU -- its own metadata (`init_forward_metadata`: the prefix
 table and the "expand" table of each verify token's visible draft tokens) and its own `forward_extend` (cascade
-attention: a prefix pass, an expand pass, a merge), against the plugin's decode-row verify (sglang_ext.serving.fa3_verify, wrapped on the
-instance by its real `built_after` hook) and against attention computed directly from EAGLE's verify mask.
+attention: a prefix pass, an expand pass, a merge), against the plugin's decode-row verify
+(sglang_ext.serving.fa3_verify, wrapped on the instance by its real `built_after` hook) and against attention
+computed directly from EAGLE's verify mask.
 
 The FA3 kernels are CUDA-only, so the two it calls are stood in by exact float64 torch code of what they compute:
 `flash_attn_with_kvcache` (paged attention, page size 1, absorbed MLA: scores from q_rope . k_rope + q_nope . c_kv,
