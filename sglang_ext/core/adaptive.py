@@ -101,11 +101,11 @@ class CostModelPolicy:
         `needs_draft_state` lead): its time is not what a depth-0 step costs and is not recorded as depth 0's. In
         an H100 soak those steps took 18 ms against depth 0's 9 ms, filled depth 0's median just before each probe
         was judged, and the policy drafted at a loss for whole minutes after probes."""
-        if step_seconds is not None and step_seconds > 0 and (self._probing or (before_probe and depth == 0)) \
-                and 0 in self.times:
+        timed, lead = step_seconds is not None and step_seconds > 0, before_probe and depth == 0
+        if timed and (self._probing or lead) and 0 in self.times:  # what this probe costs beyond depth 0
             self._probe_cost_s += step_seconds - self.times[0]
             self._probe_cost_steps += 1
-        if step_seconds is not None and step_seconds > 0 and not (before_probe and depth == 0):
+        if timed and not lead:
             samples = self._samples.setdefault(depth, collections.deque(maxlen=self.time_samples))
             samples.append(step_seconds)
             self.times[depth] = statistics.median(samples)

@@ -485,25 +485,32 @@ def test_all_refuses_a_work_directory_built_for_another_target(tmp_path, monkeyp
     assert "not --layers 16 --target-weights fp8" in capsys.readouterr().err
 
 
+class OneServer:
+    """What `run` needs of tests/gpu/serverlib.Server (one server at a time, used as a context manager)."""
+
+    def __init__(self, name, args, env, port_number=None):
+        self.url, self.ready_s = "http://x:1", 1.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_ready(self, timeout):
+        return True
+
+
 def test_a_run_stopped_mid_arm_keeps_the_levels_it_measured(tmp_path, monkeypatch):
     """`run` under a time limit: the state file holds every level measured before the stop, the arm marked unfinished
     (so `all` measures it again), and an arm that ends replaces that with its whole row: the server's KV pool cap
     as asked (--max-total-tokens) and the requests SGLang retracted for lack of KV, read from its log."""
     import sglang_ext.eval.bench
 
-    class FakeServer:
+    class FakeServer(OneServer):
         def __init__(self, name, args, env, port_number=None):
-            self.url, self.ready_s = "http://x:1", 1.0
+            super().__init__(name, args, env, port_number)
             started.append(args)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def wait_ready(self, timeout):
-            return True
 
         def log(self):  # SGLang 0.5.17's scheduler warnings, twice
             line = ("[2026-12-07 12:00:0{}] KV cache pool is full. Retract requests. #retracted_reqs: {}, "
@@ -547,19 +554,10 @@ def test_a_run_whose_server_dies_keeps_what_it_measured_and_says_what_it_died_of
 
     dead = []
 
-    class FakeServer:
+    class FakeServer(OneServer):
         def __init__(self, name, args, env, port_number=None):
-            self.url, self.ready_s = "http://x:1", 1.0
+            super().__init__(name, args, env, port_number)
             self.proc = type("P", (), {"poll": lambda _: 1 if dead else None})()
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def wait_ready(self, timeout):
-            return True
 
         def log(self):
             return "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" if dead else ""

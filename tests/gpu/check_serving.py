@@ -609,15 +609,21 @@ def groups_of(arms: list[str], parallel: int, headless_apart: bool = False) -> l
     return [headless[i:i + n] for i in range(0, len(headless), n)] + [rest[i:i + n] for i in range(0, len(rest), n)]
 
 
-def prepare() -> int:
-    """The check's target, prompts and heads in WORK, built and trained where missing, and nothing served: what
-    check_serving and check_traffic start from (the training runs on GPU_CHECK_TRAIN_DEVICE)."""
+def load_state() -> dict:
+    """WORK's state.json (the prompts, the arms' results), the target and prompts built first where missing."""
     os.makedirs(WORK, exist_ok=True)
     state_path = f"{WORK}/state.json"
     state = json.load(open(state_path)) if os.path.exists(state_path) else {}
     if "prompts" not in state or not os.path.exists(f"{WORK}/target/model.safetensors"):
         state["prompts"] = build()
         json.dump(state, open(state_path, "w"))
+    return state
+
+
+def prepare() -> int:
+    """The check's target, prompts and heads in WORK, built and trained where missing, and nothing served: what
+    check_serving and check_traffic start from (the training runs on GPU_CHECK_TRAIN_DEVICE)."""
+    state = load_state()
     trainer = train_heads()
     if trainer is not None and trainer.wait() != 0:
         print(open(f"{WORK}/train.log").read()[-3000:], flush=True)
@@ -641,12 +647,8 @@ def main():
     restore = os.environ.get("GPU_CHECK_RESTORE")  # a previous call's $OUT/state (machine went cold)
     if restore and not os.path.exists(f"{WORK}/state.json"):
         os.system(f"mkdir -p {WORK} && cp -r {restore}/. {WORK}/")
-    os.makedirs(WORK, exist_ok=True)
     state_path = f"{WORK}/state.json"
-    state = json.load(open(state_path)) if os.path.exists(state_path) else {}
-    if "prompts" not in state or not os.path.exists(f"{WORK}/target/model.safetensors"):
-        state["prompts"] = build()
-        json.dump(state, open(state_path, "w"))
+    state = load_state()
     trainer = None if os.environ.get("GPU_CHECK_NO_TRAIN") else train_heads()
     print(f"[check] built in {time.time() - t0:.0f}s; {len(state['prompts'])} prompts; backend "
           f"{attention_backend() or 'SGLang default'}; {parallel} server(s) at a time", flush=True)

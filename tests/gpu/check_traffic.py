@@ -746,13 +746,7 @@ def main():
     unknown = [a for a in arms if a not in ARMS] + [p for p in parts if p not in ("options", "aborts", "soak")]
     if unknown:
         raise SystemExit(f"unknown arm(s) or part(s) {unknown}; arms: {list(ARMS)}; parts: options aborts soak")
-    os.makedirs(CS.WORK, exist_ok=True)
-    state_path = f"{CS.WORK}/state.json"  # check_serving's: the same target, prompts and heads
-    state = json.load(open(state_path)) if os.path.exists(state_path) else {}
-    if "prompts" not in state or not os.path.exists(f"{CS.WORK}/target/model.safetensors"):
-        state["prompts"] = CS.build()
-        json.dump(state, open(state_path, "w"))
-    prompts = state["prompts"]
+    prompts = CS.load_state()["prompts"]  # check_serving's: the same target, prompts and heads
     context = json.load(open(f"{CS.WORK}/target/config.json")).get("max_position_embeddings", 4096)
     max_prompt = min(int(os.environ.get("GPU_TRAFFIC_MAX_PROMPT", "32768")), context - 512)
     soak = "soak" in parts
