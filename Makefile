@@ -19,7 +19,7 @@ export STACK_VERSIONS = import importlib.metadata as m; print(*(p + "==" + m.ver
 # the newest supported SGLang, in a venv of its own (CI runs the release-dependent tests against it)
 NEWEST_VENV = .venv-sglang-$(SGLANG_NEWEST)
 
-.PHONY: install install-newest install-newest-sglang test-newest test test-fast demo serve inspect train-draft scale-target eval-gsm8k bench
+.PHONY: install install-newest install-newest-sglang uninstall-newest test-newest test test-fast demo serve inspect train-draft scale-target eval-gsm8k bench
 
 install:  ## create $(VENV) (.venv) and install the package with SGLang $(SGLANG) (default 0.5.17) and the test tools
 	python3 -m venv $(VENV)
@@ -38,10 +38,13 @@ install-newest:  ## this package into SGLang $(SGLANG_NEWEST)'s own venv as a us
 	own pin must win (pyproject.toml)"; exit 1; }
 	@echo "install-newest: SGLang's stack unchanged: $$(tr '\n' ' ' < $(NEWEST_VENV)/stack-after.txt)"
 
-install-newest-sglang:  ## SGLang $(SGLANG_NEWEST) alone into .venv-sglang-$(SGLANG_NEWEST) (no build in the checkout: CI runs it beside make install)
+install-newest-sglang:  ## SGLang $(SGLANG_NEWEST) alone into .venv-sglang-$(SGLANG_NEWEST) (no build in the checkout)
 	python3 -m venv $(NEWEST_VENV)
 	$(NEWEST_VENV)/bin/pip install -q --upgrade pip
 	$(NEWEST_VENV)/bin/pip install -q 'sglang==$(SGLANG_NEWEST)'
+
+uninstall-newest:  ## remove .venv-sglang-$(SGLANG_NEWEST) (10 GiB)
+	rm -rf $(NEWEST_VENV)
 
 test-newest:  ## against SGLang $(SGLANG_NEWEST): tests/serving + tests/config, the fast ones and those that read what the release does
 	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow or release" tests/serving tests/config

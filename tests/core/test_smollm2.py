@@ -45,7 +45,8 @@ def test_greedy_speculation_equals_target_greedy_on_smollm2(smollm2, fmt, topk, 
 def test_a_gguf_is_read_once_into_a_checked_checkpoint(tmp_path, monkeypatch):
     """GGUF targets load from a safetensors checkpoint written on first use (transformers reads SmolLM2's GGUF in
     ~25 s on 2 cores): written once, checked against what the GGUF read, renamed into place only when equal, and
-    written again when the file changes. The GGUF read is a tiny Llama here (transformers' own reader on SmolLM2's
+    written again when the file's content changes -- not when only its path or time does: a copy of the file in
+    another venv reuses the checkpoint, and the path-keyed checkpoints of the earlier layout are removed. The GGUF read is a tiny Llama here (transformers' own reader on SmolLM2's
     file is what every other test of this module loads through)."""
     import os
 
@@ -81,11 +82,24 @@ def test_a_gguf_is_read_once_into_a_checked_checkpoint(tmp_path, monkeypatch):
     assert len(reads) == 1  # the checkpoint, not the GGUF
     (cache,) = os.listdir(T.gguf_cache_root())
     assert cache.startswith("tiny-")
-    os.utime(gguf, ns=(1, 1))  # the file changed: read again, into a checkpoint of its own
+    os.utime(gguf, ns=(1, 1))  # touched, same bytes: the same checkpoint
+    copy = tmp_path / "other-venv" / "tiny.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(gguf.read_bytes())  # the same file carried by another venv: the same checkpoint
+    T.load_target(str(gguf)), T.load_target(str(copy))
+    assert len(reads) == 1 and os.listdir(T.gguf_cache_root()) == [cache]
+    stale = os.path.join(T.gguf_cache_root(), "tiny-0123456789abcdef")  # the path-keyed layout's (no source.json)
+    os.makedirs(stale)
+    open(os.path.join(stale, "model.safetensors"), "wb").close()
+    gguf.write_bytes(b"GGUF changed")  # new content: read again, into a checkpoint of its own; the stale one goes
     T.load_target(str(gguf))
-    assert len(reads) == 2 and len(os.listdir(T.gguf_cache_root())) == 2
+    entries = os.listdir(T.gguf_cache_root())
+    assert len(reads) == 2 and len(entries) == 2 and cache in entries and os.path.basename(stale) not in entries
+    import json
+    record = json.load(open(os.path.join(T.gguf_cache_root(), cache, "source.json")))
+    assert record["transformers"] == transformers.__version__ and len(record["gguf_sha256"]) == 64
     # a checkpoint that does not read back as the GGUF did is never put in place
-    os.utime(gguf, ns=(2, 2))
+    gguf.write_bytes(b"GGUF changed again")
     real_save = transformers.PreTrainedModel.save_pretrained
 
     def corrupt(self, path, *a, **kw):
