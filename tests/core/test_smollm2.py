@@ -46,8 +46,9 @@ def test_a_gguf_is_read_once_into_a_checked_checkpoint(tmp_path, monkeypatch):
     """GGUF targets load from a safetensors checkpoint written on first use (transformers reads SmolLM2's GGUF in
     ~25 s on 2 cores): written once, checked against what the GGUF read, renamed into place only when equal, and
     written again when the file's content changes -- not when only its path or time does: a copy of the file in
-    another venv reuses the checkpoint, and the path-keyed checkpoints of the earlier layout are removed. The GGUF read is a tiny Llama here (transformers' own reader on SmolLM2's
-    file is what every other test of this module loads through)."""
+    another venv reuses the checkpoint, and the path-keyed checkpoints of the earlier layout are removed. The GGUF
+    read is a tiny Llama here (transformers' own reader on SmolLM2's file is what every other test of this module
+    loads through)."""
     import os
 
     import torch
