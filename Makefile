@@ -38,7 +38,7 @@ install-newest:  ## this package into SGLang $(SGLANG_NEWEST)'s own venv as a us
 	own pin must win (pyproject.toml)"; exit 1; }
 	@echo "install-newest: SGLang's stack unchanged: $$(tr '\n' ' ' < $(NEWEST_VENV)/stack-after.txt)"
 
-install-newest-sglang:  ## SGLang $(SGLANG_NEWEST) alone into .venv-sglang-$(SGLANG_NEWEST) (no build in the checkout)
+install-newest-sglang:  ## SGLang $(SGLANG_NEWEST) alone into .venv-sglang-$(SGLANG_NEWEST) (no build in the checkout: CI may run it beside make install)
 	python3 -m venv $(NEWEST_VENV)
 	$(NEWEST_VENV)/bin/pip install -q --upgrade pip
 	$(NEWEST_VENV)/bin/pip install -q 'sglang==$(SGLANG_NEWEST)'

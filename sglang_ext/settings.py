@@ -24,7 +24,8 @@ class Option:
     flag: str  # the server flag
     env: str  # its environment alias
     help: str
-    choices: tuple[str, ...] | None = None  # allowed values (lower case); None: free text (checked by `parse`)
+    choices: tuple[str, ...] | None = None  # allowed values (lower case); None: free text, a count or a share
+    kind: str = "text"  # without choices: "text", "count" (a whole number >= 0) or "share" (0 <= x <= MAX_SHARE)
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)  # other spellings -> a choice
     metavar: str | None = None
 
@@ -68,16 +69,22 @@ OPTIONS = (
            "upstream ('full'), or only at each request's last token, the one row drafting reads ('last', the default: "
            "the draft KV and the outputs are upstream's).", choices=("last", "full"),
            aliases={"": "last", "upstream": "full"}),
+    Option("radix_eviction_batch", "--radix-eviction-batch", "SGLANG_EXT_RADIX_EVICTION_BATCH",
+           "The least share of the KV pool one radix-cache eviction frees (default 0.01; 0: only the allocation's "
+           "shortfall, as upstream). Each eviction sorts every evictable leaf; evicting only the shortfall repeats "
+           "that on nearly every step once cached prefixes fill the pool.", kind="share", metavar="SHARE"),
     Option("aux_dump_dir", "--speculative-eagle3-aux-dump-dir", "SGLANG_EXT_AUX_DUMP_DIR",
            "Debug: write the captured aux hidden states of the first prefill batches to this directory.",
            metavar="DIR"),
     Option("aux_dump_max", "--speculative-eagle3-aux-dump-max", "SGLANG_EXT_AUX_DUMP_MAX",
-           "Debug: how many prefill batches --speculative-eagle3-aux-dump-dir writes (default 4).", metavar="N"),
+           "Debug: how many prefill batches --speculative-eagle3-aux-dump-dir writes (default 4).", kind="count",
+           metavar="N"),
     Option("feature_dir", "--eagle3-feature-dir", "SGLANG_EXT_FEATURE_DIR",
            "A feature server for draft training: a target server (no speculation, --disable-radix-cache) writes "
            "the aux and final hidden states of requests named sglang-ext-features-* here.", metavar="DIR"),
 )
 BY_ATTR = {o.attr: o for o in OPTIONS}
+MAX_SHARE = 0.25  # a "share" option's largest value: evicting a quarter of the pool at once is already a flush
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +96,7 @@ class Settings:
     adaptive_depth0_draft_extend: str = "warm"  # warm | keep | skip
     mla_verify: str = "auto"  # auto | decode | extend
     draft_prefill: str = "last"  # last | full
+    radix_eviction_batch: float = 0.01  # share of the KV pool; 0: upstream's shortfall-only eviction
     aux_dump_dir: str | None = None
     aux_dump_max: int = 4
     feature_dir: str | None = None
@@ -107,17 +115,21 @@ def _parse(option: Option, raw: str | None, strict: bool) -> Any:
     if option.choices is None:
         if raw is None or raw.strip() == "":
             return default
-        if option.attr == "aux_dump_max":
-            try:
-                value = int(raw)
-            except ValueError:
-                value = -1
-            if value < 0:
-                if strict:
-                    raise ConfigError(option.label, raw, "not a count", "give a whole number, e.g. 4")
-                return default
-            return value
-        return raw.strip()
+        if option.kind == "text":
+            return raw.strip()
+        try:
+            value = int(raw) if option.kind == "count" else float(raw)
+        except ValueError:
+            value = -1
+        limit = MAX_SHARE if option.kind == "share" else float("inf")
+        if not 0 <= value <= limit:  # also refuses nan
+            if strict:
+                raise ConfigError(option.label, raw, "not a count" if option.kind == "count" else
+                                  f"not a share between 0 and {MAX_SHARE}",
+                                  "give a whole number, e.g. 4" if option.kind == "count" else
+                                  f"give a number from 0 to {MAX_SHARE}, e.g. {default}")
+            return default
+        return value
     key = "" if raw is None else raw.strip().lower()
     value = option.aliases.get(key, key)
     if value not in option.choices:

@@ -65,6 +65,9 @@ ARMS = {  # name: (head, drafting args, extra server args, env)
     # upstream SGLang's EAGLE3 without the plugin (its ids in upstream's reading): what it serves or refuses is what
     # the plugin's arms must serve or refuse alike; it has no ledger, and its counters are its own
     "upstream-mha-chain": ("mha-upstream", CS.CHAIN, [], {"SGLANG_PLUGINS": "none"}),
+    # the soak's arm with upstream's radix eviction (only the shortfall): beside mla-chain, what the eviction batch
+    # does once the cache fills the pool
+    "mla-chain-evict-shortfall": ("mla", CS.CHAIN, [], {"SGLANG_EXT_RADIX_EVICTION_BATCH": "0"}),
 }
 # the soak serves a chain with the protection on (the cost policy may drop drafting at large batches); a tree as it is
 # (SGLang's adaptive mode, and so the protection, runs chains only: the startup check refuses the policy on a tree).
@@ -114,6 +117,12 @@ def cuda_memory(srv: Server) -> dict | None:
     """The scheduler's CUDA allocator counters (the plugin's `sglang_ext_cuda_memory` in /get_server_info; None from
     a server without it): bytes allocated and reserved, segments."""
     return CS.plugin_state(srv, "sglang_ext_cuda_memory")
+
+
+def prefix_cache(srv: Server) -> dict | None:
+    """The radix cache's eviction counters (the plugin's `sglang_ext_prefix_cache`; None from a server without it):
+    evictions and their host time since start, the evictable leaves now."""
+    return CS.plugin_state(srv, "sglang_ext_prefix_cache")
 
 
 def gauge(metrics_text: str, name: str) -> float | None:
@@ -551,6 +560,7 @@ def part_soak(srv: Server, prompts: list[list[int]], seconds: float, max_prompt:
                 row["gpu_mib"] = gpu_memory_mib()
                 row["jit_cache_entries"] = jit_cache_entries()
                 row["cuda_memory"] = cuda_memory(srv)
+                row["prefix_cache"] = prefix_cache(srv)
                 row["used_tokens"] = gauge(text, "num_used_tokens")
                 # running vs queued: SGLang publishes both with each batch it logs, so before the first batch they
                 # read 0 whatever is waiting (the log's opening lines tell that time apart)
@@ -628,7 +638,22 @@ def soak_summary(minutes: dict[int, dict], metas: list[dict], seconds: float, le
             **{f"{k}_mib_first_last": [_mib((minutes[m].get("cuda_memory") or {}).get(f"{k}_bytes")) for m in
                                        (full[0], full[-1])] if full else None for k in ("allocated", "reserved")},
             "used_tokens_first_last": [minutes[full[0]].get("used_tokens"), minutes[full[-1]].get("used_tokens")]
-            if full else None}
+            if full else None,
+            **eviction_per_minute(minutes, full)}
+
+
+def eviction_per_minute(minutes: dict[int, dict], full: list[int]) -> dict:
+    """From each minute's last reading of the radix cache's cumulative counters: the evictions and their host seconds
+    in each measured minute (against the minute before's reading), and the evictable leaves at its end (None where a
+    minute or the one before has no reading)."""
+    def moved(m, key):
+        now, before = (minutes.get(m) or {}).get("prefix_cache"), (minutes.get(m - 1) or {}).get("prefix_cache")
+        return None if not now or not before else round(now[key] - before[key], 3)
+
+    return {"evictions_per_minute": [moved(m, "evictions") for m in full],
+            "evict_seconds_per_minute": [moved(m, "evict_seconds") for m in full],
+            "evictable_leaves_per_minute": [((minutes[m].get("prefix_cache") or {}).get("evictable_leaves"))
+                                            for m in full]}
 
 
 def _spread(per_minute: list[float | None]) -> float | None:

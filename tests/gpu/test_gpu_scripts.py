@@ -598,6 +598,13 @@ def test_traffic_check_judges_responses_streams_and_constrained_output():
     assert v["output_tokens_per_s_per_minute"] == [100.0, 95.0] and abs(v["throughput_spread"] - 0.05) < 1e-9
     assert v["accepted_drafts_per_step_per_minute"] == [0.25, None] and v["jit_cache_entries_first_last"] == [12, 15]
     assert v["prompt_tokens_per_minute"] == [0, 0]  # rows without the prompt counts (an older soak's) read 0
+    assert v["evictions_per_minute"] == [None, None] and v["evictable_leaves_per_minute"] == [None, None]
+    # the radix cache's cumulative eviction counters, read each minute: what each minute evicted, in how long
+    evicting = {m: dict(row, prefix_cache={"evictions": e, "evict_seconds": t, "evictable_leaves": n})
+                for (m, row), (e, t, n) in zip(sorted(minutes.items()), [(2, 0.5, 10), (3, 0.75, 12), (40, 9.0, 30)])}
+    ev = T.soak_summary(evicting, metas, 125, moved, None, first_minute=1)
+    assert ev["evictions_per_minute"] == [1, 37] and ev["evict_seconds_per_minute"] == [0.25, 8.25]
+    assert ev["evictable_leaves_per_minute"] == [12, 30]
     assert v["gpu_mib_first_last"] == [100, 101] and v["used_tokens_first_last"] == [7, 9] and v["errors"] == 1
     assert v["ledger_equals_responses"] is True and v["metrics_equal_responses"] is False
     assert T.soak_summary(minutes, metas, 125, None, None)["ledger_equals_responses"] is None
