@@ -28,3 +28,18 @@ def test_an_arm_leaves_the_process_as_it_found_it(monkeypatch):
     B.run_arm(20, 0.1, steps=5, step_tokens=20, leaf_tokens=20)
     assert "SGLANG_EXT_RADIX_EVICTION_BATCH" not in os.environ
     assert RadixCache.evict is evict and prefix_cache.COUNTERS is counters
+
+
+def test_the_hit_rate_arm_serves_conversations_from_the_cache_with_either_eviction(capsys):
+    """Multi-turn conversations on a full pool: most prompt tokens are found cached (the conversation so far), the
+    batch evicts fewer times for the same tokens and finds about as many cached."""
+    from sglang_ext.eval import radix_eviction_bench as B
+
+    small = dict(pool_tokens=20_000, conversations=200, turns=600, warmup_turns=200)
+    upstream, batched = B.hit_rate_arm(0.0, **small), B.hit_rate_arm(0.1, **small)
+    assert upstream["evicted_tokens"] > 20_000 and batched["evicted_tokens"] > 20_000  # the pool turned over
+    assert batched["evictions"] < upstream["evictions"] / 2  # 2,000 tokens at once, a turn needing 280+
+    assert 0.3 < upstream["hit_rate"] < 1 and abs(batched["hit_rate"] - upstream["hit_rate"]) < 0.02
+    print(B.hit_rate_table([upstream, batched]))
+    out = capsys.readouterr().out
+    assert "| shortfall only (upstream) | 400 |" in out and "| 0.1 | 400 |" in out
