@@ -110,6 +110,15 @@ ARMS = {
     "upstream-tree": ("mha-upstream", TREE, {"SGLANG_PLUGINS": "none"}, True),
     "plugin-mha-tree": ("mha", TREE, {}, True),
     "upstream-zero-accept": ("mha-upstream", CHAIN, {"SGLANG_PLUGINS": "none"}, False),
+    # the automatic drafting shape (--speculative-adaptive-shapes tree): started as the tree, the cost policy chooses
+    # the tree, a chain depth or no drafting per batch size. At simulated acceptance (the same accepted drafts for
+    # every shape) the chain must win; with a head that never accepts, no drafting
+    "auto-shape": ("mha", TREE + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost",
+                                                             "SGLANG_EXT_ADAPTIVE_SHAPES": "tree"}, True),
+    "mla-auto-shape": ("mla", TREE + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost",
+                                                                 "SGLANG_EXT_ADAPTIVE_SHAPES": "tree"}, True),
+    "zero-accept-auto-shape": ("mha", TREE + ["--speculative-adaptive"], {"SGLANG_EXT_ADAPTIVE_POLICY": "cost",
+                                                                         "SGLANG_EXT_ADAPTIVE_SHAPES": "tree"}, False),
 }
 
 

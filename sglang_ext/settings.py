@@ -58,6 +58,11 @@ OPTIONS = (
            "With the cost policy, the draft extend at depth 0 (it keeps the draft's KV current) runs only in the "
            "steps before a probe ('warm'), on every step ('keep') or never ('skip').",
            choices=("warm", "keep", "skip"), aliases={"": "warm"}),
+    Option("adaptive_shapes", "--speculative-adaptive-shapes", "SGLANG_EXT_ADAPTIVE_SHAPES",
+           "With the cost policy: 'chain' chooses among chain depths (topk 1); 'tree', on a server started as a "
+           "draft tree (--speculative-eagle-topk > 1), chooses per batch size among that tree, the chain depths "
+           "and no drafting (SGLang 0.5.17, FA3; experimental).",
+           choices=("chain", "tree"), aliases={"": "chain", "chains": "chain"}),
     Option("mla_verify", "--speculative-mla-verify", "SGLANG_EXT_MLA_VERIFY",
            "MLA target, target verify as decode attention. Triton: chains ('auto'), trees too ('decode'), or "
            "upstream's prefill kernel ('extend'). FA3: draft trees as decode rows under "
@@ -94,6 +99,7 @@ class Settings:
     adaptive_policy: str = "upstream"  # upstream | cost
     adaptive_depth0: str = "decode"  # decode | verify
     adaptive_depth0_draft_extend: str = "warm"  # warm | keep | skip
+    adaptive_shapes: str = "chain"  # chain | tree
     mla_verify: str = "auto"  # auto | decode | extend
     draft_prefill: str = "last"  # last | full
     radix_eviction_batch: float = 0.01  # share of the KV pool; 0: upstream's shortfall-only eviction

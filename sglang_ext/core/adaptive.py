@@ -47,11 +47,65 @@ import dataclasses
 import statistics
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftShape:
+    """What one speculative step drafts and verifies: `steps` draft forwards keeping `topk` branches each, of which
+    `draft_tokens` are verified (the root -- the last verified token -- included; SGLang's
+    --speculative-eagle-topk, --speculative-num-steps and --speculative-num-draft-tokens). A chain is topk 1 with
+    steps + 1 draft tokens (steps 0: no drafting); anything else is a tree."""
+
+    topk: int
+    steps: int
+    draft_tokens: int
+
+    def __post_init__(self):
+        if self.topk < 1 or self.steps < 0:
+            raise ValueError(f"a drafting shape needs topk >= 1 and steps >= 0, got {self.text}")
+        if self.topk == 1 and self.draft_tokens != self.steps + 1:
+            raise ValueError(f"a chain (topk 1) of {self.steps} steps verifies {self.steps + 1} tokens, "
+                             f"got {self.text}")
+        widest = 1 + self.topk + max(self.steps - 1, 0) * self.topk * self.topk  # SGLang's candidate nodes
+        if self.topk > 1 and not (self.steps >= 1 and 2 <= self.draft_tokens <= widest):
+            raise ValueError(f"a tree of topk {self.topk} and {self.steps} steps verifies 2 to {widest} tokens "
+                             f"(root included) and drafts at least one step, got {self.text}")
+
+    @classmethod
+    def chain(cls, depth: int) -> "DraftShape":
+        return cls(1, depth, depth + 1)
+
+    @classmethod
+    def parse(cls, text: str) -> "DraftShape":
+        """'TOPKxSTEPSxTOKENS', e.g. '4x3x8' (topk 4, 3 steps, 8 draft tokens)."""
+        parts = str(text).lower().replace(" ", "").split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"a drafting shape is TOPKxSTEPSxTOKENS (e.g. 4x3x8), got {text!r}")
+        return cls(*(int(p) for p in parts))
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    @property
+    def text(self) -> str:
+        return f"{self.topk}x{self.steps}x{self.draft_tokens}"
+
+    @property
+    def label(self) -> str:
+        if self.is_chain:
+            return f"depth {self.steps}"
+        return f"tree {self.text} (topk {self.topk}, {self.steps} steps, {self.draft_tokens} tokens)"
+
+
 @dataclasses.dataclass
 class Decision:
     depth: int
     changed: bool
     reason: str
+    tree: DraftShape | None = None  # the tree to draft with; None: the chain of `depth`
+
+    @property
+    def shape(self) -> DraftShape:
+        return self.tree or DraftShape.chain(self.depth)
 
 
 class CostModelPolicy:
@@ -92,6 +146,18 @@ class CostModelPolicy:
         self._exploring = 0
         self.last_reason = "initial"
 
+    @property
+    def shape(self) -> DraftShape:
+        """What this policy drafts with now."""
+        return DraftShape.chain(self.depth)
+
+    def observe_shape(self, shape: DraftShape, accepted: list[int], step_seconds: float | None,
+                      before_probe: bool = False) -> Decision:
+        """`observe` for what ran, given as a drafting shape (ShapePolicy also takes trees)."""
+        if not shape.is_chain:
+            raise ValueError(f"{shape.label}: this policy chooses chain depths only (ShapePolicy chooses trees too)")
+        return self.observe(shape.steps, accepted, step_seconds, before_probe)
+
     # --------------------------------------------------------------------------------- inputs
     def observe(self, depth: int, accepted: list[int], step_seconds: float | None,
                 before_probe: bool = False) -> Decision:
@@ -101,21 +167,7 @@ class CostModelPolicy:
         `needs_draft_state` lead): its time is not what a depth-0 step costs and is not recorded as depth 0's. In
         an H100 soak those steps took 18 ms against depth 0's 9 ms, filled depth 0's median just before each probe
         was judged, and the policy drafted at a loss for whole minutes after probes."""
-        timed, lead = step_seconds is not None and step_seconds > 0, before_probe and depth == 0
-        if timed and (self._probing or lead) and 0 in self.times:  # what this probe costs beyond depth 0
-            self._probe_cost_s += step_seconds - self.times[0]
-            self._probe_cost_steps += 1
-        if timed and not lead:
-            samples = self._samples.setdefault(depth, collections.deque(maxlen=self.time_samples))
-            samples.append(step_seconds)
-            self.times[depth] = statistics.median(samples)
-            self._measured_at[depth] = self._steps
-        if depth > 0 and accepted:
-            step = tuple(min(int(a), depth) for a in accepted)
-            self.window.append((depth, step))
-            self.by_depth.setdefault(depth, collections.deque(maxlen=self.window_requests)).append((depth, step))
-        self._steps += 1
-        self._since_decision += 1
+        self._record(depth, accepted, step_seconds, before_probe)
         if self._exploring:
             self._exploring -= 1
             return Decision(self.depth, False, "exploring") if self._exploring else self._decide(force=True)
@@ -141,6 +193,24 @@ class CostModelPolicy:
         if self._steps <= self.warmup or self._since_decision < self.decide_every:
             return Decision(self.depth, False, "waiting")
         return self._decide()
+
+    def _record(self, depth: int, accepted: list[int], step_seconds: float | None, before_probe: bool) -> None:
+        """A chain step's time and acceptance, kept whatever is decided next."""
+        timed, lead = step_seconds is not None and step_seconds > 0, before_probe and depth == 0
+        if timed and (self._probing or lead) and 0 in self.times:  # what this probe costs beyond depth 0
+            self._probe_cost_s += step_seconds - self.times[0]
+            self._probe_cost_steps += 1
+        if timed and not lead:
+            samples = self._samples.setdefault(depth, collections.deque(maxlen=self.time_samples))
+            samples.append(step_seconds)
+            self.times[depth] = statistics.median(samples)
+            self._measured_at[depth] = self._steps
+        if depth > 0 and accepted:
+            step = tuple(min(int(a), depth) for a in accepted)
+            self.window.append((depth, step))
+            self.by_depth.setdefault(depth, collections.deque(maxlen=self.window_requests)).append((depth, step))
+        self._steps += 1
+        self._since_decision += 1
 
     def _back_off(self) -> str:
         """After a probe that found nothing: twice the interval, and at least as many depth-0 steps as make the
@@ -349,3 +419,187 @@ class CostModelPolicy:
         self.depth = positive[0]
         self.last_reason = f"depth 0 -> {self.depth}: probe acceptance for {self.probe_len} steps"
         return Decision(self.depth, True, self.last_reason)
+
+
+class ShapePolicy(CostModelPolicy):
+    """CostModelPolicy's chain depths (0 = no drafting) plus draft trees.
+
+    A tree's acceptance cannot be read off a chain's per-position rates (it verifies several branches per
+    position) nor its step time off the chain's line (topk-wide draft steps, a tree-masked verify), so both are
+    measured, never modelled: goodput(tree) = (1 + mean accepted drafts per request) / (median step time), over the
+    tree's own window (shared across batch sizes, as the chain's is) and this batch size's step times.
+    - **A tree is entered only right after it was measured.** When the chain policy settles on a positive depth
+      and the tree was never measured at this batch size, or `tree_retry_every` chain steps passed since it last
+      ran, the tree runs for `tree_explore_len` steps; it stays when its goodput beats the best chain depth's by
+      `min_gain`, else the chain resumes and the next try waits twice as long (up to `max_tree_retry_every`).
+      Upstream's FA3 figures say why a tree must be tried per batch size: with one head, a tree won at 1 request
+      and lost 22% at 64.
+    - **On the tree**, every `decide_every` steps its fresh goodput is compared with the chain's last estimates; a
+      chain depth better by `min_gain` resumes the chain (whose own window then corrects a stale estimate within
+      a decision), and a full tree window with nothing accepted goes straight to depth 0.
+    - Started on a tree (`initial_tree`), the chain is measured at its first decision and the two compared at the
+      chain's first settled decision.
+    """
+
+    def __init__(self, candidates, initial: int, trees=(), initial_tree: DraftShape | None = None,
+                 tree_window: int | collections.deque | None = None, tree_explore_len: int = 16,
+                 tree_retry_every: int = 512, max_tree_retry_every: int = 8192, **kwargs):
+        super().__init__(candidates, initial, **kwargs)
+        self.trees = list(dict.fromkeys(trees))
+        if any(t.is_chain for t in self.trees):
+            raise ValueError(f"trees must have topk > 1, got {[t.text for t in self.trees]}")
+        self.tree = initial_tree if initial_tree in self.trees else None  # drafting now; None: the chain
+        # (tree, accepted drafts per request) per tree step
+        self.tree_window: collections.deque = tree_window if isinstance(tree_window, collections.deque) else \
+            collections.deque(maxlen=tree_window or self.window.maxlen or 64)
+        self.tree_times: dict[DraftShape, float] = {}
+        self._tree_samples: dict[DraftShape, collections.deque] = {}
+        self.tree_explore_len = tree_explore_len
+        self.tree_retry_every = tree_retry_every
+        self.max_tree_retry_every = max(max_tree_retry_every, tree_retry_every)
+        self.tree_retry_interval = tree_retry_every
+        self._tree_exploring = 0
+        self._since_tree = 0  # chain steps since a tree last ran
+        self._pending: DraftShape | None = None  # a tree measured before the chain was, compared at its next decision
+
+    @property
+    def shape(self) -> DraftShape:
+        return self.tree or DraftShape.chain(self.depth)
+
+    def observe_shape(self, shape: DraftShape, accepted: list[int], step_seconds: float | None,
+                      before_probe: bool = False) -> Decision:
+        """One verify step of what ran (a chain depth or a tree), as CostModelPolicy.observe."""
+        if shape.is_chain:
+            return self.observe(shape.steps, accepted, step_seconds, before_probe)
+        return self._observe_tree(shape, accepted, step_seconds)
+
+    def needs_draft_state(self, lead: int) -> bool:
+        return self.tree is not None or super().needs_draft_state(lead)
+
+    # ------------------------------------------------------------------------------- chain steps
+    def observe(self, depth: int, accepted: list[int], step_seconds: float | None,
+                before_probe: bool = False) -> Decision:
+        if self.tree is not None:  # ran before the switch to the tree took effect (the overlap scheduler's lag)
+            self._record(depth, accepted, step_seconds, before_probe)
+            return self._tree_decision(False, "drafting a tree")
+        decision = super().observe(depth, accepted, step_seconds, before_probe)
+        self._since_tree += 1
+        decided = self._since_decision == 0 and not self._exploring and not self._probing
+        if not self.trees or not decided or decision.changed:
+            return decision
+        if self._pending is not None:
+            return self._compare_pending()
+        if self.depth == 0:
+            return decision  # drafting does not pay as a chain: the tree is tried again once it does
+        due = [t for t in self.trees if t not in self.tree_times]
+        if not due and self._since_tree >= self.tree_retry_interval:
+            due = self.trees
+        return self._explore_tree(due[0]) if due else decision
+
+    def _explore_tree(self, tree: DraftShape) -> Decision:
+        old = self.shape.label
+        self.tree, self._tree_exploring, self._since_decision = tree, self.tree_explore_len, 0
+        self.last_reason = (f"{old} -> {tree.label}: measure the tree's accepted drafts and step time for "
+                            f"{self.tree_explore_len} steps")
+        return self._tree_decision(True, self.last_reason)
+
+    def _compare_pending(self) -> Decision:
+        tree, self._pending = self._pending, None
+        if self._never_accepts():  # newer than the tree's measurements: nothing would be accepted there either
+            return self._tree_lost(tree, "no draft accepted in the chain's window since")
+        g_tree, (k, g_chain) = self.tree_goodput(tree), self._best_chain()
+        if g_tree is not None and g_chain is not None and g_tree > g_chain * (1 + self.min_gain):
+            self.tree, self._since_decision = tree, 0
+            self.last_reason = f"depth {self.depth} -> {tree.label}: " + self._versus(tree, g_tree, k, g_chain)
+            return self._tree_decision(True, self.last_reason)
+        return self._tree_lost(tree, self._versus(tree, g_tree, k, g_chain))
+
+    def _tree_lost(self, tree: DraftShape, why: str) -> Decision:
+        self.tree_retry_interval = min(2 * self.tree_retry_interval, self.max_tree_retry_every)
+        self._since_tree = 0
+        self.last_reason = (f"keep depth {self.depth} over {tree.label}: {why}; next try in "
+                            f"{self.tree_retry_interval} steps")
+        return Decision(self.depth, False, self.last_reason)
+
+    # -------------------------------------------------------------------------------- tree steps
+    def _observe_tree(self, tree: DraftShape, accepted: list[int], step_seconds: float | None) -> Decision:
+        if step_seconds is not None and step_seconds > 0:
+            samples = self._tree_samples.setdefault(tree, collections.deque(maxlen=self.time_samples))
+            samples.append(step_seconds)
+            self.tree_times[tree] = statistics.median(samples)
+        if accepted:
+            self.tree_window.append((tree, tuple(min(int(a), tree.steps) for a in accepted)))
+        self._steps += 1
+        self._since_decision += 1
+        if self.tree != tree:  # ran before the switch away took effect
+            return self._tree_decision(False, "keep") if self.tree else Decision(self.depth, False, "keep")
+        if self._tree_exploring:
+            self._tree_exploring -= 1
+            if self._tree_exploring:
+                return self._tree_decision(False, "exploring the tree")
+            return self._judge_tree(explored=True)
+        if self._steps <= self.warmup or self._since_decision < self.decide_every:
+            return self._tree_decision(False, "waiting")
+        return self._judge_tree(explored=False)
+
+    def _judge_tree(self, explored: bool) -> Decision:
+        tree, self._since_decision = self.tree, 0
+        recent = self.recent([e for e in self.tree_window if e[0] == tree])
+        if 0 in self.candidates and self._full(recent) and not any(any(a) for _, a in recent):
+            self.tree, self.depth, self._at_zero = None, 0, 0
+            self.last_reason = (f"{tree.label} -> depth 0: no draft accepted in the tree's last "
+                                f"{sum(len(a) for _, a in recent)} request-steps ({len(recent)} steps)")
+            return Decision(0, True, self.last_reason)
+        g_tree, (k, g_chain) = self.tree_goodput(tree), self._best_chain()
+        if g_chain is None:  # started on the tree: measure the chain, compare at its first settled decision
+            k = max(self.depth, max(self.candidates))
+            self.tree, self.depth, self._exploring, self._pending = None, k, self.explore_len, tree
+            self.last_reason = f"{tree.label} -> depth {k}: measure the chain for {self.explore_len} steps"
+            return Decision(k, True, self.last_reason)
+        if g_tree is None:
+            return self._tree_decision(False, "no estimate yet")
+        versus = self._versus(tree, g_tree, k, g_chain)
+        if explored and not g_tree > g_chain * (1 + self.min_gain):
+            self.tree, self.depth = None, k
+            self._tree_lost(tree, versus)
+            self.last_reason = f"{tree.label} -> depth {k}: {versus}; next try in {self.tree_retry_interval} steps"
+            return Decision(k, True, self.last_reason)
+        if not explored and g_chain > g_tree * (1 + self.min_gain):
+            self.tree, self.depth, self._since_tree = None, k, 0
+            self.tree_retry_interval = self.tree_retry_every
+            self.last_reason = f"{tree.label} -> depth {k}: {versus}"
+            return Decision(k, True, self.last_reason)
+        if explored:
+            self.tree_retry_interval = self.tree_retry_every
+            self.last_reason = f"keep {tree.label}: {versus}"
+        return self._tree_decision(False, "keep")
+
+    # ------------------------------------------------------------------------------- estimates
+    def tree_accepted(self, tree: DraftShape) -> float | None:
+        """Mean accepted drafts per request over the tree's window (bonus token excluded)."""
+        recent = self.recent([e for e in self.tree_window if e[0] == tree])
+        requests = sum(len(a) for _, a in recent)
+        return sum(sum(a) for _, a in recent) / requests if requests else None
+
+    def tree_goodput(self, tree: DraftShape) -> float | None:
+        e, t = self.tree_accepted(tree), self.tree_times.get(tree)
+        return None if e is None or not t else (1 + e) / t
+
+    def _best_chain(self) -> tuple[int, float | None]:
+        scores = {k: self.goodput(k) for k in self.candidates}
+        scores = {k: g for k, g in scores.items() if g is not None}
+        if not scores:
+            return self.depth, None
+        best = max(scores, key=lambda k: scores[k])
+        return best, scores[best]
+
+    def _versus(self, tree: DraftShape, g_tree: float | None, k: int, g_chain: float | None) -> str:
+        def rate(g):
+            return "n/a" if g is None else f"{g:.1f}"
+        e, t = self.tree_accepted(tree), self.tree_times.get(tree)
+        measured = "" if e is None or not t else f" ({e:.2f} accepted drafts per step, {1e3 * t:.2f} ms)"
+        return (f"predicted tokens/s per request {rate(g_tree)} on the tree{measured} vs {rate(g_chain)} at depth "
+                f"{k}" + self._times_text("; chain "))
+
+    def _tree_decision(self, changed: bool, reason: str) -> Decision:
+        return Decision(self.tree.steps if self.tree else self.depth, changed, reason, self.tree)

@@ -29,7 +29,7 @@ import os
 import time
 
 from sglang_ext import settings
-from sglang_ext.core.adaptive import CostModelPolicy
+from sglang_ext.core.adaptive import CostModelPolicy, DraftShape, ShapePolicy
 from sglang_ext.serving.hooks import Hook
 
 logger = logging.getLogger(__name__)
@@ -54,14 +54,18 @@ class StepClock:
     def __init__(self, max_gap_s: float = 1.0):
         self.last: float | None = None
         self.seconds: float | None = None
-        self.depth: int | None = None
+        self.draft_tokens: int | None = None  # what the step verified per request (a chain of depth k: k + 1)
         self.max_gap_s = max_gap_s
 
-    def decode_result(self, depth: int | None) -> None:
+    @property
+    def depth(self) -> int | None:
+        return None if self.draft_tokens is None else self.draft_tokens - 1
+
+    def decode_result(self, draft_tokens: int | None) -> None:
         now = time.perf_counter()
         gap = None if self.last is None else now - self.last
         self.seconds = gap if gap is not None and gap < self.max_gap_s else None
-        self.depth = depth
+        self.draft_tokens = draft_tokens
         self.last = now
 
     def other_work(self) -> None:
@@ -73,11 +77,12 @@ CLOCK = StepClock()
 # stay per slot): a slot first reached after acceptance collapsed stops drafting at its first step. It keeps the
 # last 64 drafting steps; estimates read the newest >= 64 request-steps and >= 8 steps of it (CostModelPolicy)
 SHARED_WINDOW: collections.deque = collections.deque(maxlen=64)
+SHARED_TREE_WINDOW: collections.deque = collections.deque(maxlen=64)  # the same for a tree (serving/draft_shape.py)
 
 
 def resolve_spec_tokens_before(self, result, batch, *args, **kwargs):
     n = getattr(result, "speculative_num_draft_tokens", None)
-    CLOCK.decode_result(None if n is None else int(n) - 1)
+    CLOCK.decode_result(None if n is None else int(n))
     return None
 
 
@@ -89,29 +94,43 @@ def other_batch_after(result, *args, **kwargs):
 def slot_update(original_fn, self, num_correct_drafts_per_req):
     if not enabled():
         return original_fn(self, num_correct_drafts_per_req)
+    from sglang_ext.serving import decode_depth0, draft_shape  # both import this module
+
+    tree = draft_shape.startup_tree() if draft_shape.enabled() else None
     policy = getattr(self, "_sglang_ext_policy", None)
     if policy is None:
-        policy = self._sglang_ext_policy = CostModelPolicy(self.candidate_steps, self.current_steps,
-                                                           window=SHARED_WINDOW)
-    from sglang_ext.serving import decode_depth0  # imports this module
-
-    depth = CLOCK.depth if CLOCK.depth is not None else self.current_steps
-    before_probe = depth == 0 and decode_depth0.lead_step(policy)
-    decision = policy.observe(depth, list(num_correct_drafts_per_req or []), CLOCK.seconds, before_probe)
-    summary = _summary(self, policy, depth, len(num_correct_drafts_per_req or []))
+        policy = self._sglang_ext_policy = _new_policy(self, tree)
+    ran = draft_shape.shape_of(CLOCK.draft_tokens, tree) or policy.shape
+    before_probe = ran.steps == 0 and decode_depth0.lead_step(policy)
+    decision = policy.observe_shape(ran, list(num_correct_drafts_per_req or []), CLOCK.seconds, before_probe)
+    summary = _summary(self, policy, ran, len(num_correct_drafts_per_req or []))
     if summary:
         _log(f"[sglang_ext] adaptive speculation summary: {summary}")
-    if decision.changed and decision.depth != self.current_steps:
-        self.current_steps = decision.depth
+    key = draft_shape.key_of(decision.shape)
+    if decision.changed and key != self.current_steps:
+        self.current_steps = key
         _log(f"[sglang_ext] adaptive speculation: {decision.reason}")
         return True
     return False
 
 
+def _new_policy(slot, tree: DraftShape | None) -> ShapePolicy:
+    """A batch-size slot's policy: its chain depths, and the tree where the server was started as one (the slot
+    then starts on it: serving/draft_shape.py)."""
+    depths = [k for k in slot.candidate_steps if k >= 0]
+    if tree is None:
+        return ShapePolicy(depths, slot.current_steps, window=SHARED_WINDOW)
+    from sglang_ext.serving.draft_shape import TREE_KEY
+
+    initial = tree.steps if tree.steps in depths else max(depths)
+    return ShapePolicy(depths, initial, trees=[tree], initial_tree=tree if slot.current_steps == TREE_KEY else None,
+                       window=SHARED_WINDOW, tree_window=SHARED_TREE_WINDOW)
+
+
 SUMMARY_EVERY_S = 10.0  # a benchmark level lasts seconds: at 30 s most levels went unsummarised
 
 
-def _summary(slot, policy: CostModelPolicy, depth: int, batch: int) -> str | None:
+def _summary(slot, policy: CostModelPolicy, ran: DraftShape, batch: int) -> str | None:
     """Every SUMMARY_EVERY_S seconds per batch-size slot: the steps run at each depth since the last summary, the
     measured step time of each depth and the batch sizes seen -- where the time went, which decisions alone
     do not show (a policy that decides well but whose cheap depth is not cheap)."""
@@ -119,15 +138,23 @@ def _summary(slot, policy: CostModelPolicy, depth: int, batch: int) -> str | Non
     acc = getattr(slot, "_sglang_ext_summary", None)
     if acc is None:
         acc = slot._sglang_ext_summary = {"since": now, "steps": {}, "bs": [batch, batch]}
-    acc["steps"][depth] = acc["steps"].get(depth, 0) + 1
+    acc["steps"][ran] = acc["steps"].get(ran, 0) + 1
     acc["bs"] = [min(acc["bs"][0], batch), max(acc["bs"][1], batch)]
     if now - acc["since"] < SUMMARY_EVERY_S:
         return None
-    steps = ", ".join(f"depth {k}: {n}" for k, n in sorted(acc["steps"].items()))
-    times = ", ".join(f"depth {k}: {1e3 * t:.2f} ms" for k, t in sorted(policy.times.items()))
+
+    def name(shape: DraftShape) -> str:
+        return f"depth {shape.steps}" if shape.is_chain else f"tree {shape.text}"
+
+    order = sorted(acc["steps"], key=lambda sh: (not sh.is_chain, sh.steps, sh.topk))
+    steps = ", ".join(f"{name(sh)}: {acc['steps'][sh]}" for sh in order)
+    measured = [(DraftShape.chain(k), t) for k, t in sorted(policy.times.items())]
+    measured += list(getattr(policy, "tree_times", {}).items())
+    times = ", ".join(f"{name(sh)}: {1e3 * t:.2f} ms" for sh, t in measured)
+    at_zero = policy.shape.steps == 0
     text = (f"last {now - acc['since']:.0f}s, batch {acc['bs'][0]}-{acc['bs'][1]}: steps [{steps}]; "
-            f"measured step time [{times}]; now depth {policy.depth}"
-            + (f", next probe after {policy.probe_interval} steps at depth 0" if policy.depth == 0 else ""))
+            f"measured step time [{times}]; now {name(policy.shape)}"
+            + (f", next probe after {policy.probe_interval} steps at depth 0" if at_zero else ""))
     slot._sglang_ext_summary = {"since": now, "steps": {}, "bs": [batch, batch]}
     return text
 

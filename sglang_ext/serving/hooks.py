@@ -70,12 +70,12 @@ class Hook:
 
 def modules():
     """The serving modules that declare hooks, in registration order."""
-    from sglang_ext.serving import (acceptance, adaptive, aux_capture, decode_depth0, draft_prefill, fa3_verify,
-                                    feature_capture, flags, fp32, kv_pools, memory, mla_verify, prefix_cache, registry,
-                                    startup)
+    from sglang_ext.serving import (acceptance, adaptive, aux_capture, decode_depth0, draft_prefill, draft_shape,
+                                    fa3_verify, feature_capture, flags, fp32, kv_pools, memory, mla_verify,
+                                    prefix_cache, registry, startup)
 
-    return (flags, startup, aux_capture, registry, kv_pools, acceptance, fp32, adaptive, decode_depth0, mla_verify,
-            fa3_verify, draft_prefill, feature_capture, memory, prefix_cache)
+    return (flags, startup, aux_capture, registry, kv_pools, acceptance, fp32, adaptive, decode_depth0, draft_shape,
+            mla_verify, fa3_verify, draft_prefill, feature_capture, memory, prefix_cache)
 
 
 def all_hooks() -> list[Hook]:

@@ -25,7 +25,7 @@ import logging
 from sglang_ext import checkpoint, settings
 from sglang_ext.config import Eagle3DraftConfig, TargetConfig, kv, pair, resolve_with_errors
 from sglang_ext.errors import ConfigError, combined
-from sglang_ext.serving import compat, fa3_verify, hooks
+from sglang_ext.serving import compat, draft_shape, fa3_verify, hooks
 from sglang_ext.serving.context import local_dir
 from sglang_ext.serving.hooks import Hook
 
@@ -91,8 +91,9 @@ def adaptive_policy_problems(args, s: settings.Settings, record=None) -> tuple[l
         if reason:
             if "topk" in reason:
                 fix = ("serve a chain with the policy (--speculative-adaptive --speculative-eagle-topk 1 "
-                       "--speculative-num-draft-tokens = --speculative-num-steps + 1), or this tree without it "
-                       "(unprotected)")
+                       "--speculative-num-draft-tokens = --speculative-num-steps + 1), this tree with it and "
+                       f"{settings.BY_ATTR['adaptive_shapes'].flag} tree (the policy then also chooses chains and "
+                       "no drafting; SGLang 0.5.17, FA3), or this tree without it (unprotected)")
             elif "DP" in reason or "dp_attention" in reason:
                 fix = ("serve without attention DP to have the policy, or without the policy (SGLang's fixed draft "
                        "shape, unprotected) under attention DP")
@@ -137,6 +138,7 @@ def option_problems(args, s: settings.Settings, record=None) -> tuple[list[Confi
         warnings.append(f"{settings.BY_ATTR['draft_kv_cache_dtype'].flag} {s.draft_kv_cache_dtype} has no effect "
                         "without --speculative-algorithm")
     errors += draft_kv_dtype(args, s)[1]
+    errors += draft_shape.server_problems(args, s, compat.version())
     if s.feature_dir:
         from sglang_ext.serving import feature_capture
 

@@ -114,6 +114,14 @@ for _name in SHAPES:
     ARMS[f"{_name}-verify-decode-deterministic"] = (_head, _drafting, {**_env, "SGLANG_EXT_MLA_VERIFY": "decode"},
                                                     False, None)
     DETERMINISTIC.add(f"{_name}-verify-decode-deterministic")
+# the automatic drafting shape (serving/draft_shape.py): a server started as the tree whose cost policy also chooses
+# chain depths and no drafting per batch size; in deterministic mode every state it switches to must give the
+# target's greedy output (a state built at the wrong topk would attend causally over a tree, silently)
+AUTO_SHAPE_ENV = {"SGLANG_EXT_ADAPTIVE_POLICY": "cost", "SGLANG_EXT_ADAPTIVE_SHAPES": "tree"}
+for _head in ("mha", "mla"):
+    ARMS[f"{_head}-auto-shape"] = (_head, TREE + ["--speculative-adaptive"], AUTO_SHAPE_ENV, False, None)
+    ARMS[f"{_head}-auto-shape-deterministic"] = ARMS[f"{_head}-auto-shape"]
+    DETERMINISTIC.add(f"{_head}-auto-shape-deterministic")
 # the arms that name SGLANG_EXT_MLA_VERIFY exercise the Triton backend's verify (serving/mla_verify.py): they run on
 # Triton whatever the server's backend
 TRITON_ONLY = {name for name, arm in ARMS.items() if "SGLANG_EXT_MLA_VERIFY" in arm[2]} | {

@@ -86,8 +86,11 @@ def test_gpu_script_command_lines_parse():
               "mha-chain-protected")
     det = {n for n, a in arms.items() if a[5]}
     assert det == {"target-deterministic", "target-deterministic-triton", "mha-chain-extend-deterministic",
-                   "mla-chain-extend-deterministic"} | {f"{n}-deterministic" for n in shapes} | {
-        f"{n}-verify-decode-deterministic" for n in shapes}
+                   "mla-chain-extend-deterministic", "mha-auto-shape-deterministic", "mla-auto-shape-deterministic"} | {
+        f"{n}-deterministic" for n in shapes} | {f"{n}-verify-decode-deterministic" for n in shapes}
+    # the automatic shape: started as the tree, with the cost policy choosing the tree, chains or no drafting
+    assert arms["mla-auto-shape-deterministic"][1] == 4 and dict(arms["mla-auto-shape-deterministic"][7]) == {
+        "SGLANG_EXT_ADAPTIVE_POLICY": "cost", "SGLANG_EXT_ADAPTIVE_SHAPES": "tree"}
     assert dict(arms["mha-chain-protected-deterministic"][7]) == {"SGLANG_EXT_ADAPTIVE_POLICY": "cost"}
     assert dict(arms["mha-chain-protected-verify-decode-deterministic"][7]) == {
         "SGLANG_EXT_ADAPTIVE_POLICY": "cost", "SGLANG_EXT_MLA_VERIFY": "decode"}

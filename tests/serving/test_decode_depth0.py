@@ -301,6 +301,6 @@ def test_a_depth0_step_before_a_probe_is_not_timed_as_depth0(policy_on, monkeypa
     policy = slot._sglang_ext_policy = CostModelPolicy(slot.candidate_steps, 0, probe_every=600)
     policy._at_zero = 600 - steps_to_probe
     monkeypatch.setattr(adaptive.CLOCK, "seconds", 0.018)
-    monkeypatch.setattr(adaptive.CLOCK, "depth", 0)
+    monkeypatch.setattr(adaptive.CLOCK, "draft_tokens", 1)
     adaptive.slot_update(upstream_path, slot, [])
     assert (0 in policy.times) == timed

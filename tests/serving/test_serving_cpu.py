@@ -249,7 +249,7 @@ ADAPTIVE = """
     out = {"candidates": params.candidate_steps, "start": params.get_steps_for_batch(1)}
     for step in range(60):  # a draft that never accepts, 8 requests per step, k=3 steps take 13 ms, k=0 10 ms
         k = params.get_steps_for_batch(8)
-        adaptive.CLOCK.depth, adaptive.CLOCK.seconds = k, (10 + k) / 1e3
+        adaptive.CLOCK.draft_tokens, adaptive.CLOCK.seconds = k + 1, (10 + k) / 1e3
         params.on_verify_complete([0] * 8, batch_size=8)
     out["after_zero_acceptance"] = [params.get_steps_for_batch(8), params.get_steps_for_batch(1)]
     logged = []
@@ -257,7 +257,7 @@ ADAPTIVE = """
     adaptive.SUMMARY_EVERY_S = 0.0  # the periodic summary line, now
     params.on_verify_complete([0] * 8, batch_size=8)
     out["summary"] = [x for x in logged if "summary" in x]
-    adaptive.CLOCK.depth, adaptive.CLOCK.seconds = 3, None  # batch 1's first verify step, at depth 3
+    adaptive.CLOCK.draft_tokens, adaptive.CLOCK.seconds = 4, None  # batch 1's first verify step, at depth 3
     params.on_verify_complete([0], batch_size=1)
     out["batch_1_after_one_step"] = params.get_steps_for_batch(1)
     out["switch_lines"] = [x for x in logged if "request-steps" in x]
