@@ -150,6 +150,9 @@ SLOW_SERVING_TESTS = {
     "test_deterministic_mode_verify_rows_equal_plain_decode_bit_for_bit",
     "test_verify_as_decode_equals_upstreams_extend_kernel",
     "test_flags_in_help_and_config_yaml_reach_the_environment",
+    "test_a_tree_server_builds_its_chains_at_topk_1_and_keeps_the_tree_where_it_pays",
+    "test_where_the_tree_does_not_pay_the_chain_runs_at_topk_1",
+    "test_the_startup_check_refuses_what_the_tree_shape_cannot_serve",
 }
 
 

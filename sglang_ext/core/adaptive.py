@@ -538,14 +538,20 @@ class ShapePolicy(CostModelPolicy):
             if self._tree_exploring:
                 return self._tree_decision(False, "exploring the tree")
             return self._judge_tree(explored=True)
+        if self._steps <= self.warmup and self._tree_never_accepts(tree):
+            return self._judge_tree(explored=False)  # the shared window already says so: no need to wait
         if self._steps <= self.warmup or self._since_decision < self.decide_every:
             return self._tree_decision(False, "waiting")
         return self._judge_tree(explored=False)
 
+    def _tree_never_accepts(self, tree: DraftShape) -> bool:
+        recent = self.recent([e for e in self.tree_window if e[0] == tree])
+        return self._full(recent) and not any(any(a) for _, a in recent)
+
     def _judge_tree(self, explored: bool) -> Decision:
         tree, self._since_decision = self.tree, 0
         recent = self.recent([e for e in self.tree_window if e[0] == tree])
-        if 0 in self.candidates and self._full(recent) and not any(any(a) for _, a in recent):
+        if 0 in self.candidates and self._tree_never_accepts(tree):
             self.tree, self.depth, self._at_zero = None, 0, 0
             self.last_reason = (f"{tree.label} -> depth 0: no draft accepted in the tree's last "
                                 f"{sum(len(a) for _, a in recent)} request-steps ({len(recent)} steps)")

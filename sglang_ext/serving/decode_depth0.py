@@ -101,7 +101,7 @@ def draft_extend_now(worker, batch_size: int) -> bool:
 def lead_step(policy) -> bool:
     """Whether this slot's depth-0 step runs the draft extend only because a probe follows (warm mode): the cost
     policy then keeps the step's time out of depth 0's (CostModelPolicy.observe, before_probe)."""
-    return enabled() and extend_mode() == "warm" and policy.depth == 0 and policy.needs_draft_state(WARM_LEAD_STEPS)
+    return enabled() and extend_mode() == "warm" and policy.shape.steps == 0 and policy.needs_draft_state(WARM_LEAD_STEPS)
 
 
 def hidden_mode():

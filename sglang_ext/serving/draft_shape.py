@@ -41,7 +41,7 @@ import logging
 from sglang_ext import settings
 from sglang_ext.core.adaptive import DraftShape
 from sglang_ext.errors import ConfigError
-from sglang_ext.serving import adaptive, hooks
+from sglang_ext.serving import adaptive, compat, hooks
 from sglang_ext.serving.hooks import Hook
 
 logger = logging.getLogger(__name__)
@@ -121,6 +121,18 @@ def server_problems(args, s: settings.Settings, version: str) -> list[ConfigErro
     if int(getattr(args, "page_size", None) or 1) != 1:
         errors.append(ConfigError("--page-size", args.page_size, f"is not 1: {OPTION.flag} tree keeps the chains' "
                                   "KV inside the tree's reserve only at page size 1", "use --page-size 1"))
+    # upstream's other refusals of adaptive mode come after its topk one, which the tree shape lifts: asked here
+    for field, why in (("enable_dp_attention", "adaptive decisions are not synchronized across DP ranks"),
+                       ("enable_multi_layer_eagle", "its worker has no adaptive mode"),
+                       ("enable_two_batch_overlap", "a state switch would drop its attention wrapper"),
+                       ("enable_pdmux", "a state switch would not update its backend group")):
+        if getattr(compat.resolved(args), field, False):
+            errors.append(ConfigError(f"--{field.replace('_', '-')}", True, f"is not served with {OPTION.flag} "
+                                      f"tree ({why})", f"drop it, or {OPTION.flag} chain"))
+    depths = candidate_depths(getattr(args, "speculative_adaptive_config", None))
+    if depths and tree.steps not in depths:
+        errors.append(ConfigError("--speculative-num-steps", tree.steps, f"is not a depth of the adaptive config "
+                                  f"({depths}): the tree's steps must be one", "start the tree at one of them"))
     clash = [k for k in candidate_depths(getattr(args, "speculative_adaptive_config", None))
              if k + 1 == tree.draft_tokens]
     if clash:

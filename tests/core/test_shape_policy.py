@@ -103,6 +103,8 @@ def test_batch_sizes_share_the_tree_window_not_its_step_times():
     assert stop.depth == 0 and stop.tree is None and "no draft accepted in the tree's last" in stop.reason
     big = ShapePolicy([0, 1, 3], initial=3, trees=[TREE], initial_tree=TREE, tree_window=window)
     assert big.tree_accepted(TREE) == 0.0 and TREE not in big.tree_times
+    first = big.observe_shape(TREE, [0] * 64, 0.02)  # its first step: no warm-up on a tree that never accepts
+    assert first.changed and first.depth == 0 and first.tree is None
 
 
 def test_draft_shapes_name_what_is_wrong():

@@ -17,6 +17,17 @@ pytest.importorskip("sglang.srt.speculative.eagle_worker_v2")
 
 TREE_ENV = {"SGLANG_EXT_ADAPTIVE_POLICY": "cost", "SGLANG_EXT_ADAPTIVE_SHAPES": "tree"}
 
+
+def _built_for_this_release():
+    from sglang_ext.serving import compat, draft_shape
+
+    return compat.version() in draft_shape.RELEASES
+
+
+# the hooks are registered on the releases they are built against only (elsewhere the startup check refuses)
+built_against = pytest.mark.skipif(not _built_for_this_release(),
+                                   reason="the tree shape's hooks are for another release")
+
 CONTROLLER = """
     import json, types
     import torch
@@ -114,6 +125,7 @@ def _controller(pair, accepted, ms):
     return _result(run_py(CONTROLLER.replace("CASE", repr(json.dumps(case))), **TREE_ENV))
 
 
+@built_against
 def test_a_tree_server_builds_its_chains_at_topk_1_and_keeps_the_tree_where_it_pays(pair):
     """The tree verifies 8 tokens and accepts 3 drafts in 14 ms; chain depth 3 accepts 1 in 13 ms."""
     r = _controller(pair, accepted={"8": 3, "4": 1, "2": 1, "1": 0}, ms={"8": 14, "4": 13, "2": 11, "1": 10})
@@ -128,6 +140,7 @@ def test_a_tree_server_builds_its_chains_at_topk_1_and_keeps_the_tree_where_it_p
     assert r["ran"] == [1, 2, 4, 8] and r["tree_share_last_100"] == 1.0  # each depth measured, then the tree
 
 
+@built_against
 def test_where_the_tree_does_not_pay_the_chain_runs_at_topk_1(pair):
     """The same accepted drafts on the tree and the chain; the tree's step costs twice the chain's."""
     r = _controller(pair, accepted={"8": 2, "4": 2, "2": 1, "1": 0}, ms={"8": 26, "4": 13, "2": 11, "1": 10})
@@ -176,6 +189,7 @@ STARTUP = """
 """
 
 
+@built_against
 def test_the_startup_check_refuses_what_the_tree_shape_cannot_serve(pair):
     tree = {"speculative_adaptive": True, "speculative_eagle_topk": 4, "speculative_num_steps": 3,
             "speculative_num_draft_tokens": 8, "attention_backend": "fa3"}
@@ -216,4 +230,9 @@ def test_a_release_other_than_the_one_it_is_built_against_is_refused():
     (error,) = draft_shape.server_problems(args, s, "0.5.23")
     assert error.field == "--speculative-adaptive-shapes (SGLANG_EXT_ADAPTIVE_SHAPES)" and "0.5.23" in error.problem
     assert "--speculative-adaptive-shapes chain" in error.fix
+    (error,) = draft_shape.server_problems(SimpleNamespace(**{**vars(args), "enable_dp_attention": True}), s, "0.5.17")
+    assert error.field == "--enable-dp-attention" and "DP ranks" in error.problem
+    (error,) = draft_shape.server_problems(SimpleNamespace(**{**vars(args), "speculative_num_steps": 2,
+                                                              "speculative_num_draft_tokens": 6}), s, "0.5.17")
+    assert error.field == "--speculative-num-steps" and "[0, 1, 3]" in error.problem
     assert draft_shape.server_problems(args, settings.Settings(), "0.5.23") == []  # not asked for: nothing
