@@ -544,13 +544,17 @@ class ShapePolicy(CostModelPolicy):
             return self._tree_decision(False, "waiting")
         return self._judge_tree(explored=False)
 
+    def _tree_recent(self, tree: DraftShape) -> list:
+        """The tree's newest steps, as `recent` reads the chain's."""
+        return self.recent([e for e in self.tree_window if e[0] == tree])
+
     def _tree_never_accepts(self, tree: DraftShape) -> bool:
-        recent = self.recent([e for e in self.tree_window if e[0] == tree])
+        recent = self._tree_recent(tree)
         return self._full(recent) and not any(any(a) for _, a in recent)
 
     def _judge_tree(self, explored: bool) -> Decision:
         tree, self._since_decision = self.tree, 0
-        recent = self.recent([e for e in self.tree_window if e[0] == tree])
+        recent = self._tree_recent(tree)
         if 0 in self.candidates and self._tree_never_accepts(tree):
             self.tree, self.depth, self._at_zero = None, 0, 0
             self.last_reason = (f"{tree.label} -> depth 0: no draft accepted in the tree's last "
@@ -583,7 +587,7 @@ class ShapePolicy(CostModelPolicy):
     # ------------------------------------------------------------------------------- estimates
     def tree_accepted(self, tree: DraftShape) -> float | None:
         """Mean accepted drafts per request over the tree's window (bonus token excluded)."""
-        recent = self.recent([e for e in self.tree_window if e[0] == tree])
+        recent = self._tree_recent(tree)
         requests = sum(len(a) for _, a in recent)
         return sum(sum(a) for _, a in recent) / requests if requests else None
 

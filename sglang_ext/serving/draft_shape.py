@@ -133,8 +133,7 @@ def server_problems(args, s: settings.Settings, version: str) -> list[ConfigErro
     if depths and tree.steps not in depths:
         errors.append(ConfigError("--speculative-num-steps", tree.steps, f"is not a depth of the adaptive config "
                                   f"({depths}): the tree's steps must be one", "start the tree at one of them"))
-    clash = [k for k in candidate_depths(getattr(args, "speculative_adaptive_config", None))
-             if k + 1 == tree.draft_tokens]
+    clash = [k for k in depths if k + 1 == tree.draft_tokens]
     if clash:
         errors.append(ConfigError("--speculative-adaptive-config", getattr(args, "speculative_adaptive_config", None),
                                   f"offers depth {clash[0]}, which verifies as many tokens as the tree "
