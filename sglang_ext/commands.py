@@ -56,4 +56,35 @@ def scripts() -> dict[str, str]:
 def run(name: str, argv: list[str] | None = None) -> int:
     """Run command `name` with `argv` (default: sys.argv[1:]); its exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    return importlib.import_module(COMMANDS[name].module).main(argv)
+    try:
+        module = importlib.import_module(COMMANDS[name].module)
+    except ModuleNotFoundError as e:
+        problem = checkout_shadow(e)
+        if problem is None:
+            raise
+        print(f"{prog(name)}: error: {problem}", file=sys.stderr)
+        return 2
+    return module.main(argv)
+
+
+def checkout_shadow(error: ModuleNotFoundError) -> str | None:
+    """Why a command's module is missing when `sglang_ext` was imported from a source checkout: training/ and eval/
+    install as sglang_ext.training and sglang_ext.eval (pyproject.toml's package-dir), so the checkout's own
+    sglang_ext/ folder lacks them, and `python -m` puts the working directory first on sys.path, ahead of an
+    installed wheel. None when the error is another one."""
+    import os
+
+    import sglang_ext
+
+    missing = error.name or ""
+    if missing not in ("sglang_ext.training", "sglang_ext.eval"):
+        return None
+    package = os.path.dirname(os.path.abspath(sglang_ext.__file__))
+    root = os.path.dirname(package)
+    folder = missing.split(".")[1]
+    if not os.path.isdir(os.path.join(root, folder)):
+        return None
+    return (f"module {missing} not found: sglang_ext was imported from the source checkout {package}, where "
+            f"{folder}/ sits beside the package instead of inside it. Fix: install the checkout (pip install -e "
+            f"{root}), run the console script instead of python -m, or add -P (python -P -m sglang_ext ...) so that "
+            "the installed package is used")

@@ -89,3 +89,18 @@ def test_the_demo_trains_exports_and_inspects_a_pair_offline(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "OK: the server would accept this pair." in p.stdout
     assert "untrained head" in p.stdout and (tmp_path / "demo" / "head" / "training_curve.png").exists()
+
+
+@pytest.mark.parametrize("name", ["spec-bench", "train"])
+def test_a_checkout_shadowing_the_installed_package_is_named_with_the_fix(name):
+    """`python -m sglang_ext` run from the checkout's root imports the checkout's sglang_ext/ (the working directory
+    comes first on sys.path), which has no training/ or eval/ inside it: the command says so and how to run it,
+    instead of a traceback ending in ModuleNotFoundError. -S leaves the editable install's import hook unread, as in
+    an environment where the package is installed from a wheel."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, "-S", "-m", "sglang_ext", name, "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO, env=env)
+    assert p.returncode == 2, (p.stdout[-500:], p.stderr[-2000:])
+    assert "Traceback" not in p.stderr
+    assert f"{COMMANDS[name].script}: error: module {COMMANDS[name].module.rsplit('.', 1)[0]} not found" in p.stderr
+    assert "python -P -m sglang_ext" in p.stderr and "pip install -e" in p.stderr
