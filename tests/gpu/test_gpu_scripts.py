@@ -208,25 +208,32 @@ def test_compare_tp_reads_deterministic_arms_against_the_deterministic_target():
     assert "vs_second_target" not in r["target-deterministic"]
 
 
-def test_launch_tp_default_arms_exist():
-    """A misspelt arm in launch_tp.sh's defaults would fail on the GPU after minutes of device time."""
+# each launch script's variables that name arms, and which table they name them from
+LAUNCH_ARMS = {"launch_tp.sh": {"TP_ARMS": "check", "DET_ARMS": "check", "TP_BENCH_ARMS": "bench",
+                                "P1_BENCH_ARMS": "bench"},
+               "launch_auto_shape.sh": {"AUTO_CHECK_ARMS": "check", "AUTO_COMPARE": "bench",
+                                        "AUTO_ZERO_COMPARE": "bench"}}
+
+
+@pytest.mark.parametrize("script", sorted(LAUNCH_ARMS))
+def test_launch_scripts_default_arms_exist(script):
+    """A misspelt arm in a launch script's defaults would fail on the GPU after minutes of device time."""
     import re
 
     sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
-    text = open(os.path.join(REPO, "tests", "gpu", "launch_tp.sh")).read().replace("\\\n", " ")
+    text = open(os.path.join(REPO, "tests", "gpu", script)).read().replace("\\\n", " ")
     check_arms = python_run(["-c", "import sys; sys.path.insert(0, 'tests/gpu'); "
                              "import check_serving as CS, json; print(json.dumps(list(CS.ARMS)))"],
                             cwd=REPO, timeout=600, env=dict(os.environ, GPU_CHECK_WORK="/tmp/gpu-script-check"))
     assert check_arms.returncode == 0, check_arms.stderr[-2000:]
-    known = set(json.loads(check_arms.stdout.strip().splitlines()[-1]))
     from sglang_ext.eval.spec_bench import ARMS as BENCH
 
-    for var, universe in (("TP_ARMS", known), ("DET_ARMS", known), ("TP_BENCH_ARMS", set(BENCH)),
-                          ("P1_BENCH_ARMS", set(BENCH))):
+    universe = {"check": set(json.loads(check_arms.stdout.strip().splitlines()[-1])), "bench": set(BENCH)}
+    for var, table in LAUNCH_ARMS[script].items():
         m = re.search(r'\$\{' + var + r'[:-]+"([^"]*)"\}', text)
         assert m, var
         names = m.group(1).split()
-        assert (names or var == "DET_ARMS") and set(names) <= universe, (var, set(names) - universe)
+        assert (names or var == "DET_ARMS") and set(names) <= universe[table], (var, set(names) - universe[table])
 
 
 def test_compare_tp_reads_an_arm_the_first_run_lacks_against_its_target():
