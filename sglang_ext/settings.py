@@ -61,7 +61,7 @@ OPTIONS = (
     Option("adaptive_shapes", "--speculative-adaptive-shapes", "SGLANG_EXT_ADAPTIVE_SHAPES",
            "With the cost policy: 'chain' chooses among chain depths (topk 1); 'tree', on a server started as a "
            "draft tree (--speculative-eagle-topk > 1), chooses per batch size among that tree, the chain depths "
-           "and no drafting (SGLang 0.5.17, FA3; experimental).",
+           "and no drafting (SGLang 0.5.17 and 0.5.23, FA3; experimental).",
            choices=("chain", "tree"), aliases={"": "chain", "chains": "chain"}),
     Option("mla_verify", "--speculative-mla-verify", "SGLANG_EXT_MLA_VERIFY",
            "MLA target, target verify as decode attention. Triton: chains ('auto'), trees too ('decode'), or "

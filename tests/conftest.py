@@ -166,6 +166,9 @@ RELEASE_TESTS = {
     "test_hooks_name_real_sglang_symbols_and_register_only_with_the_policy",
     "test_real_requests_that_stop_inside_an_accepted_run",
     "test_flags_in_help_and_config_yaml_reach_the_environment",
+    "test_a_tree_server_builds_its_chains_at_topk_1_and_keeps_the_tree_where_it_pays",
+    "test_where_the_tree_does_not_pay_the_chain_runs_at_topk_1",
+    "test_the_startup_check_refuses_what_the_tree_shape_cannot_serve",
 }
 
 

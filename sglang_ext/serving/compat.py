@@ -62,6 +62,20 @@ def resolved(args):
     return args if isinstance(args, ResolvingConfig) else resolving_view(args)
 
 
+def declare(args, source: str, **fields) -> None:
+    """Set fields of a ServerArgs while its options resolve.
+    0.5.17 - 0.5.20: assigned (resolution writes the record).
+    0.5.21+: ``arg_groups.overrides.declare_resolution`` (the record is the operator's input, and assigning to it
+    during resolution raises): a declaration with its source, which `resolved` reads through."""
+    if at_least("0.5.21"):
+        from sglang.srt.arg_groups.overrides import declare_resolution
+
+        declare_resolution(args, source, **fields)
+        return
+    for name, value in fields.items():
+        setattr(args, name, value)
+
+
 def server_args():
     """This process's server arguments, as resolved; None outside a server (a bare model in a test).
     0.5.17 - 0.5.20: ``server_args.get_global_server_args()``.

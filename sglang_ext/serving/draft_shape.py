@@ -3,15 +3,17 @@ a chain depth or not at all, whichever measured step times and acceptance say pa
 
 Opt-in and experimental: ``--speculative-adaptive --speculative-adaptive-policy cost --speculative-adaptive-shapes
 tree`` on a server started as the tree (e.g. ``--speculative-eagle-topk 4 --speculative-num-steps 3
---speculative-num-draft-tokens 8``), SGLang 0.5.17, FA3. SGLang's adaptive mode is chain-only: it swaps prebuilt
-runtime states keyed by the step count and turns itself off for topk != 1. The server starts as the tree because
-what is sized once, from the startup settings, must hold the widest shape: the per-step KV reserve
-(2 x max(topk x steps, draft tokens): a tree of 12 scratch slots covers chains to depth 7, a chain start leaves a
-tree short), the logits rows of the verify graphs, and the overlap scheduler's draft-input buffers (sized from the
-first payload). Every draft extend therefore emits the tree's topk width; a chain drafts from its first column
-(the top-1 candidate: the width is sorted).
+--speculative-num-draft-tokens 8``), SGLang 0.5.17 or 0.5.23, FA3. SGLang's adaptive mode is chain-only: it swaps
+prebuilt runtime states keyed by the step count and turns itself off for topk != 1. The server starts as the tree
+because what is sized once, from the startup settings, must hold the widest shape: the per-step KV reserve (2 x
+max(topk x steps, draft tokens): a tree of 12 scratch slots covers chains to depth 7, a chain start leaves a tree
+short), the logits rows of the verify graphs, and the overlap scheduler's draft-input buffers (sized from the first
+payload). Every draft extend therefore emits the tree's topk width; a chain drafts from its first column (the top-1
+candidate: the width is sorted).
 
-Extends, SGLang 0.5.17 (registered only with the option):
+Extends, SGLang 0.5.17 and 0.5.23 (registered only with the option; the functions below are the same in both, but
+for 0.5.23's resolution: the tree's draft tokens are declared, not assigned, and topk is read from ``get_spec()``
+alone, so the context is the one store overridden there):
   * ``adaptive_spec_params.adaptive_unsupported_reason`` (AROUND) -- the topk refusal is dropped; the others stay.
   * ``adaptive_spec_params.resolve_candidate_steps_from_config`` (AROUND) -- the union of steps that sizes buffers
     also holds the tree's draft tokens - 1, so ``ServerArgs.max_speculative_num_draft_tokens`` is the tree's.
@@ -50,7 +52,10 @@ OPTION = settings.BY_ATTR["adaptive_shapes"]
 ON = f"{OPTION.flag} tree"
 TREE_KEY = -1  # the tree's key among the adaptive states (chains are keyed by their depth, 0 and up)
 TOPK_ATTR = "_sglang_ext_topk"  # a runtime state's topk (upstream's SpecRuntimeState has no field for it)
-RELEASES = hooks.releases(until="0.5.17")
+# the releases whose adaptive controller, state build and switch the hooks were read against and CPU-tested with
+# (tests/serving/test_draft_shape.py runs SGLang's own objects); 0.5.18 - 0.5.22 were not read
+RELEASES = ("0.5.17", "0.5.23")
+GPU_CHECKED = ("0.5.17",)  # greedy-exact on FA3 in deterministic mode (docs/results.md); the others warn at startup
 BACKENDS = ("fa3",)
 
 
@@ -141,6 +146,15 @@ def server_problems(args, s: settings.Settings, version: str) -> list[ConfigErro
     return errors
 
 
+def server_warnings(args, s: settings.Settings, version: str) -> list[str]:
+    """What a server asked for the tree shape should know at startup: a release it was not checked on a GPU with."""
+    if s.adaptive_shapes != "tree" or version not in RELEASES or version in GPU_CHECKED:
+        return []
+    return [f"{ON} on SGLang {version}: its hooks pass the CPU tests against this release's adaptive controller, "
+            f"but its greedy equality on a GPU was checked on {', '.join(GPU_CHECKED)} only (experimental; "
+            f"{OPTION.flag} chain is the checked path here)"]
+
+
 def candidate_depths(cfg_path) -> list[int]:
     """The chain depths the adaptive config offers (the cost policy's default where none is given)."""
     if cfg_path is None:
@@ -186,11 +200,11 @@ def startup_tree() -> DraftShape | None:
 def init_params(original_fn, server_args, *args, **kwargs):
     if not enabled():
         return original_fn(server_args, *args, **kwargs)
-    tree = tree_of(server_args)
+    tree = tree_of(compat.resolved(server_args))
     STARTUP_TREE["tree"] = tree
     result = original_fn(server_args, *args, **kwargs)
     if tree is not None:  # upstream sets steps + 1 (a chain's); keep the tree's
-        server_args.speculative_num_draft_tokens = tree.draft_tokens
+        compat.declare(server_args, "sglang_ext.draft_shape", speculative_num_draft_tokens=tree.draft_tokens)
     return result
 
 
@@ -254,7 +268,9 @@ def built_at_topk(worker, topk: int):
     from sglang.srt.runtime_context import get_context
 
     dw = worker._draft_worker
-    objs = _server_args_objects(worker)
+    # 0.5.17 - 0.5.20: FA3's backend and the graph runners read server_args.speculative_eagle_topk. 0.5.21+: they
+    # read get_spec(), and the record is sealed after resolution (assigning raises): the context alone
+    objs = [] if compat.at_least("0.5.21") else _server_args_objects(worker)
     saved = (worker.topk, dw.topk, [o.speculative_eagle_topk for o in objs])
     worker.topk = dw.topk = topk
     for o in objs:

@@ -139,6 +139,7 @@ def option_problems(args, s: settings.Settings, record=None) -> tuple[list[Confi
                         "without --speculative-algorithm")
     errors += draft_kv_dtype(args, s)[1]
     errors += draft_shape.server_problems(args, s, compat.version())
+    warnings += draft_shape.server_warnings(args, s, compat.version())
     if s.feature_dir:
         from sglang_ext.serving import feature_capture
 

@@ -29,7 +29,7 @@ built_against = pytest.mark.skipif(not _built_for_this_release(),
                                    reason="the tree shape's hooks are for another release")
 
 CONTROLLER = """
-    import json, types
+    import inspect, json, types
     import torch
     from sglang.srt.plugins import load_plugins
     load_plugins()
@@ -38,7 +38,7 @@ CONTROLLER = """
     from sglang.srt.speculative.adaptive_runtime_state import AdaptiveController, SpecRuntimeState
     from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2, EagleDraftWorker
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    from sglang_ext.serving import adaptive
+    from sglang_ext.serving import adaptive, compat
 
     case = json.loads(CASE)
     args = ServerArgs(model_path=case["target"], speculative_algorithm="EAGLE3", device="cpu",
@@ -47,8 +47,19 @@ CONTROLLER = """
                       speculative_num_draft_tokens=8)
     publish(args, role="test")
     built = []
+    view = compat.resolved(args)
 
-    class Backend:  # an attention backend reads its topk from ServerArgs when built (FA3)
+    def fa3_topk():  # where FA3's backend and the graph runners read topk when built: ServerArgs; 0.5.21+ get_spec()
+        return get_spec().speculative_eagle_topk if compat.at_least("0.5.21") else args.speculative_eagle_topk
+
+    def max_draft_tokens():  # what the verify graphs and the KV reserve are sized for
+        if compat.at_least("0.5.21"):
+            from sglang.srt.runtime_context import max_speculative_num_draft_tokens
+
+            return max_speculative_num_draft_tokens()
+        return args.max_speculative_num_draft_tokens
+
+    class Backend:  # an attention backend reads its topk when built (FA3)
         def __init__(self, topk):
             self.topk = topk
 
@@ -63,21 +74,26 @@ CONTROLLER = """
 
     def init_attention_backend():
         built.append({"steps": dw.speculative_num_steps, "draft_worker": dw.topk,
-                      "server_args": args.speculative_eagle_topk, "context": get_spec().speculative_eagle_topk,
+                      "server_args": fa3_topk(), "context": get_spec().speculative_eagle_topk,
                       "tokens": get_spec().speculative_num_draft_tokens})
-        dw.draft_attn_backend = dw.draft_extend_attn_backend = Backend(args.speculative_eagle_topk)
+        dw.draft_attn_backend = dw.draft_extend_attn_backend = Backend(fa3_topk())
 
     dw.init_attention_backend, dw._capture_cuda_graphs = init_attention_backend, lambda: None
     runner = types.SimpleNamespace(server_args=args, init_new_workspace=False, decode_cuda_graph_runner=None,
                                    attn_backend=Backend(4))
-    runner._get_attention_backend = lambda init_new_workspace: Backend(runner.server_args.speculative_eagle_topk)
+    runner._get_attention_backend = lambda init_new_workspace: Backend(fa3_topk())
     w = EAGLEWorkerV2.__new__(EAGLEWorkerV2)
     w.server_args, w.device, w.gpu_id, w.topk, w.speculative_num_steps, w.speculative_num_draft_tokens = \\
         args, "cpu", 0, 4, 3, 8
     w._draft_worker, w._target_worker = dw, types.SimpleNamespace(model_runner=runner)
     w._additional_graph_memory_usage, w._additional_graph_time_usage = {}, {}
     # what EAGLEWorkerV2.init_cuda_graphs does with adaptive speculation on
-    ctl = AdaptiveController(w, config_path=None)
+    if "policy" in inspect.signature(AdaptiveController.__init__).parameters:  # 0.5.23: the worker passes its policy
+        from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
+
+        ctl = AdaptiveController(w, AdaptiveSpeculativeParams(initial_steps=3, cfg_path=None))
+    else:
+        ctl = AdaptiveController(w, config_path=None)
     ctl.register(SpecRuntimeState(3, 8, dw.draft_attn_backend, None, runner.attn_backend, None,
                                   dw.draft_extend_attn_backend, None))
     ctl.init_states(cuda_graph_bs=None)
@@ -88,9 +104,9 @@ CONTROLLER = """
                 "backends": [runner.attn_backend.topk, dw.draft_attn_backend.topk],
                 "chain_buffers": list(dw._topk1_score_indices_prealloc.shape)}
 
-    out = {"built": built, "after_init": now(), "tokens": args.speculative_num_draft_tokens,
-           "stores": [args.speculative_eagle_topk, get_spec().speculative_eagle_topk],
-           "max_draft_tokens": args.max_speculative_num_draft_tokens}
+    out = {"built": built, "after_init": now(), "tokens": view.speculative_num_draft_tokens,
+           "stores": [fa3_topk(), get_spec().speculative_eagle_topk],
+           "max_draft_tokens": max_draft_tokens()}
     ran = []
     for step in range(400):  # 8 requests per step; accepted drafts and step ms per verified-token count
         ctl.activate_step_by_batch(8)
@@ -176,13 +192,21 @@ STARTUP = """
     from sglang.srt.plugins import load_plugins
     load_plugins()
     from sglang.srt.server_args import ServerArgs
+    from sglang_ext.serving import compat
     case, out = json.loads(CASE), {}
     for name, extra in case["servers"].items():
         try:
             a = ServerArgs(model_path=case["target"], speculative_algorithm="EAGLE3", device="cpu",
                            speculative_draft_model_path=case["draft"], **extra)
-            out[name] = [a.speculative_adaptive, a.speculative_eagle_topk, a.speculative_num_draft_tokens,
-                         a.max_speculative_num_draft_tokens]
+            if compat.at_least("0.5.21"):  # construction no longer resolves: what launchers call next
+                from sglang.srt.arg_groups.overrides import max_speculative_num_draft_tokens
+
+                a.resolve_once()
+                top = max_speculative_num_draft_tokens(a)
+            else:
+                top = a.max_speculative_num_draft_tokens
+            v = compat.resolved(a)
+            out[name] = [v.speculative_adaptive, v.speculative_eagle_topk, v.speculative_num_draft_tokens, top]
         except Exception as e:
             out[name] = [type(e).__name__, getattr(e, "field", None), str(e)]
     print("RESULT" + json.dumps(out))
@@ -227,8 +251,14 @@ def test_a_release_other_than_the_one_it_is_built_against_is_refused():
     args = SimpleNamespace(speculative_adaptive=True, speculative_eagle_topk=4, speculative_num_steps=3,
                            speculative_num_draft_tokens=8, attention_backend="fa3", page_size=1)
     assert draft_shape.server_problems(args, s, "0.5.17") == []
-    (error,) = draft_shape.server_problems(args, s, "0.5.23")
-    assert error.field == "--speculative-adaptive-shapes (SGLANG_EXT_ADAPTIVE_SHAPES)" and "0.5.23" in error.problem
+    assert draft_shape.server_problems(args, s, "0.5.23") == []
+    (warning,) = draft_shape.server_warnings(args, s, "0.5.23")  # served, saying what was checked where
+    assert "0.5.23" in warning and "checked on 0.5.17 only" in warning
+    assert "--speculative-adaptive-shapes chain" in warning
+    assert draft_shape.server_warnings(args, s, "0.5.17") == []
+    (error,) = draft_shape.server_problems(args, s, "0.5.20")  # a release whose adaptive states were not read
+    assert error.field == "--speculative-adaptive-shapes (SGLANG_EXT_ADAPTIVE_SHAPES)" and "0.5.20" in error.problem
+    assert "0.5.17, 0.5.23" in error.problem
     assert "--speculative-adaptive-shapes chain" in error.fix
     (error,) = draft_shape.server_problems(SimpleNamespace(**{**vars(args), "enable_dp_attention": True}), s, "0.5.17")
     assert error.field == "--enable-dp-attention" and "DP ranks" in error.problem
