@@ -33,6 +33,9 @@ alone, so the context is the one store overridden there):
   * ``EagleDraftWorkerBase._rebuild_topk1_chain_buffers`` (AROUND) -- the chain buffers are built at topk 1 for a
     chain state, left as they are for the tree's (upstream: only where the startup topk is 1).
   * ``EagleDraftWorker.draft`` (AROUND) -- a chain state drafts at topk 1 from the draft input's first column.
+  * ``mem_cache.allocation_sizing.get_alloc_len_per_decode`` (AROUND, 0.5.23) -- the KV a request may allocate per
+    decode step stays the tree's: 0.5.23 reads it per batch from the context, where a chain state's step count
+    with the tree's topk would reserve less (depth 0, 1) or more than the request rows hold (depth 5 and up).
 """
 
 from __future__ import annotations
@@ -134,6 +137,10 @@ def server_problems(args, s: settings.Settings, version: str) -> list[ConfigErro
         if getattr(compat.resolved(args), field, False):
             errors.append(ConfigError(f"--{field.replace('_', '-')}", True, f"is not served with {OPTION.flag} "
                                       f"tree ({why})", f"drop it, or {OPTION.flag} chain"))
+    pp = int(getattr(compat.resolved(args), "pp_size", None) or 1)
+    if pp > 1:  # the controller lives on the last stage only: the others would keep the tree's settings
+        errors.append(ConfigError("--pp-size", pp, f"is not served with {OPTION.flag} tree (the adaptive controller "
+                                  "switches the last pipeline stage only)", f"use --pp-size 1, or {OPTION.flag} chain"))
     depths = candidate_depths(getattr(args, "speculative_adaptive_config", None))
     if depths and tree.steps not in depths:
         errors.append(ConfigError("--speculative-num-steps", tree.steps, f"is not a depth of the adaptive config "
@@ -359,6 +366,21 @@ def stub_draft_extend(original_fn, self, *args, **kwargs):
         self.topk = saved
 
 
+def alloc_len_per_decode(original_fn, *args, **kwargs):
+    """The KV one request may allocate in a decode step, at the tree's size whichever state runs. 0.5.17 computes it
+    from the startup server args; 0.5.23 reads the runtime context on every decode batch, where a switch moves the
+    step count while topk stays the tree's: depth 1 would reserve 2 x 8 and depth 5 2 x 20, and a reserve taken under
+    one state is spent by the next (the overlap scheduler), so the startup tree's is kept (2 x 12 here: chains to
+    depth 11 fit inside it, and the request rows are sized for it)."""
+    n = original_fn(*args, **kwargs)
+    tree = STARTUP_TREE.get("tree")
+    if tree is None or n <= 1:  # not a tree server's scheduler yet, or no speculation
+        return n
+    from sglang.srt.runtime_context import max_speculative_num_draft_tokens
+
+    return max(tree.topk * tree.steps, tree.draft_tokens, max_speculative_num_draft_tokens() or 0)
+
+
 PARAMS = "sglang.srt.speculative.adaptive_spec_params"
 CONTROLLER = "sglang.srt.speculative.adaptive_runtime_state.AdaptiveController"
 WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
@@ -383,4 +405,6 @@ HOOKS = (
     _hook(f"{WORKER}._stub_skipped_draft_extend", stub_draft_extend, "one draft-input width at depth 0"),
     _hook(f"{BASE_DRAFT_WORKER}._rebuild_topk1_chain_buffers", rebuild_chain_buffers, "chain buffers per state"),
     _hook(f"{DRAFT_WORKER}.draft", draft, "chains drafted from the tree's draft input"),
+    Hook("sglang.srt.mem_cache.allocation_sizing.get_alloc_len_per_decode", "around", alloc_len_per_decode,
+         releases=("0.5.23",), when=requested, option=ON, feature="the tree's KV reserve per decode step"),
 )

@@ -107,14 +107,16 @@ CONTROLLER = """
     out = {"built": built, "after_init": now(), "tokens": view.speculative_num_draft_tokens,
            "stores": [fa3_topk(), get_spec().speculative_eagle_topk],
            "max_draft_tokens": max_draft_tokens()}
-    ran = []
+    ran, alloc_lens = [], set()  # the KV one request may allocate per decode step, under each state that ran
+    from sglang.srt.mem_cache import allocation_sizing
     for step in range(400):  # 8 requests per step; accepted drafts and step ms per verified-token count
         ctl.activate_step_by_batch(8)
         n = w.speculative_num_draft_tokens
         adaptive.CLOCK.draft_tokens, adaptive.CLOCK.seconds = n, case["ms"][str(n)] / 1e3
         ran.append(n)
+        alloc_lens.add(allocation_sizing.get_alloc_len_per_decode())
         ctl.on_verify_complete([case["accepted"][str(n)]] * 8, batch_size=8)
-    out["ran"], out["last"] = sorted(set(ran)), now()
+    out["ran"], out["last"], out["alloc_lens"] = sorted(set(ran)), now(), sorted(alloc_lens)
     result = types.SimpleNamespace(next_draft_input=types.SimpleNamespace())
     batch = types.SimpleNamespace(seq_lens=torch.zeros(3, dtype=torch.int64))
     w._stub_skipped_draft_extend(batch, result)  # depth 0's stub for a skipped draft extend
@@ -154,6 +156,9 @@ def test_a_tree_server_builds_its_chains_at_topk_1_and_keeps_the_tree_where_it_p
                                "chain_buffers": [48, 3]}
     assert r["stores"] == [4, 4] and r["max_draft_tokens"] == 8 and r["tokens"] == 8
     assert r["ran"] == [1, 2, 4, 8] and r["tree_share_last_100"] == 1.0  # each depth measured, then the tree
+    # the KV reserve per decode step stays the tree's under every state: a reserve taken under one state is spent by
+    # the next (0.5.23 reads it per batch from the context, where depth 0 and 1 would reserve 8, not 12)
+    assert r["alloc_lens"] == [12]
 
 
 @built_against
@@ -260,6 +265,8 @@ def test_a_release_other_than_the_one_it_is_built_against_is_refused():
     assert error.field == "--speculative-adaptive-shapes (SGLANG_EXT_ADAPTIVE_SHAPES)" and "0.5.20" in error.problem
     assert "0.5.17, 0.5.23" in error.problem
     assert "--speculative-adaptive-shapes chain" in error.fix
+    (error,) = draft_shape.server_problems(SimpleNamespace(**{**vars(args), "pp_size": 2}), s, "0.5.17")
+    assert error.field == "--pp-size" and "last pipeline stage" in error.problem and "--pp-size 1" in error.fix
     (error,) = draft_shape.server_problems(SimpleNamespace(**{**vars(args), "enable_dp_attention": True}), s, "0.5.17")
     assert error.field == "--enable-dp-attention" and "DP ranks" in error.problem
     (error,) = draft_shape.server_problems(SimpleNamespace(**{**vars(args), "speculative_num_steps": 2,
