@@ -6,7 +6,7 @@ tree`` on a server started as the tree (e.g. ``--speculative-eagle-topk 4 --spec
 --speculative-num-draft-tokens 8``), SGLang 0.5.17 or 0.5.23, FA3. SGLang's adaptive mode is chain-only: it swaps
 prebuilt runtime states keyed by the step count and turns itself off for topk != 1. The server starts as the tree
 because what is sized once, from the startup settings, must hold the widest shape: the per-step KV reserve (2 x
-max(topk x steps, draft tokens): a tree of 12 scratch slots covers chains to depth 7, a chain start leaves a tree
+max(topk x steps, draft tokens): a tree of 12 scratch slots covers chains to depth 11, a chain start leaves a tree
 short), the logits rows of the verify graphs, and the overlap scheduler's draft-input buffers (sized from the first
 payload). Every draft extend therefore emits the tree's topk width; a chain drafts from its first column (the top-1
 candidate: the width is sorted).
@@ -130,14 +130,15 @@ def server_problems(args, s: settings.Settings, version: str) -> list[ConfigErro
         errors.append(ConfigError("--page-size", args.page_size, f"is not 1: {OPTION.flag} tree keeps the chains' "
                                   "KV inside the tree's reserve only at page size 1", "use --page-size 1"))
     # upstream's other refusals of adaptive mode come after its topk one, which the tree shape lifts: asked here
+    view = compat.resolved(args)
     for field, why in (("enable_dp_attention", "adaptive decisions are not synchronized across DP ranks"),
                        ("enable_multi_layer_eagle", "its worker has no adaptive mode"),
                        ("enable_two_batch_overlap", "a state switch would drop its attention wrapper"),
                        ("enable_pdmux", "a state switch would not update its backend group")):
-        if getattr(compat.resolved(args), field, False):
+        if getattr(view, field, False):
             errors.append(ConfigError(f"--{field.replace('_', '-')}", True, f"is not served with {OPTION.flag} "
                                       f"tree ({why})", f"drop it, or {OPTION.flag} chain"))
-    pp = int(getattr(compat.resolved(args), "pp_size", None) or 1)
+    pp = int(getattr(view, "pp_size", None) or 1)
     if pp > 1:  # the controller lives on the last stage only: the others would keep the tree's settings
         errors.append(ConfigError("--pp-size", pp, f"is not served with {OPTION.flag} tree (the adaptive controller "
                                   "switches the last pipeline stage only)", f"use --pp-size 1, or {OPTION.flag} chain"))
@@ -188,7 +189,12 @@ def candidate_steps(original_fn, *args, **kwargs):
     return steps if tree is None else sorted(set(steps) | {tree.draft_tokens - 1})  # buffers sized for the tree
 
 
-STARTUP_TREE: dict[str, DraftShape | None] = {}  # the tree this process's server was started as
+STARTUP_TREE: dict = {}  # "tree": the tree this process's server was started as; "alloc_len": derived from it
+
+
+def set_startup_tree(tree: DraftShape | None) -> None:
+    STARTUP_TREE.clear()  # with what was derived from the previous one (the KV length per decode step)
+    STARTUP_TREE["tree"] = tree
 
 
 def startup_tree() -> DraftShape | None:
@@ -208,7 +214,7 @@ def init_params(original_fn, server_args, *args, **kwargs):
     if not enabled():
         return original_fn(server_args, *args, **kwargs)
     tree = tree_of(compat.resolved(server_args))
-    STARTUP_TREE["tree"] = tree
+    set_startup_tree(tree)
     result = original_fn(server_args, *args, **kwargs)
     if tree is not None:  # upstream sets steps + 1 (a chain's); keep the tree's
         compat.declare(server_args, "sglang_ext.draft_shape", speculative_num_draft_tokens=tree.draft_tokens)
@@ -221,7 +227,7 @@ def init_states(original_fn, self, *args, **kwargs):
     if not enabled() or (getattr(worker, "topk", 1) or 1) <= 1:
         return original_fn(self, *args, **kwargs)
     tree = DraftShape(int(worker.topk), int(worker.speculative_num_steps), int(worker.speculative_num_draft_tokens))
-    STARTUP_TREE["tree"] = tree
+    set_startup_tree(tree)
     state = self._states.pop(tree.steps)  # the startup state, registered under its step count
     setattr(state, TOPK_ATTR, tree.topk)
     self._sglang_ext_tree_state = worker._sglang_ext_tree_state = state
@@ -372,13 +378,18 @@ def alloc_len_per_decode(original_fn, *args, **kwargs):
     step count while topk stays the tree's: depth 1 would reserve 2 x 8 and depth 5 2 x 20, and a reserve taken under
     one state is spent by the next (the overlap scheduler), so the startup tree's is kept (2 x 12 here: chains to
     depth 11 fit inside it, and the request rows are sized for it)."""
+    kept = STARTUP_TREE.get("alloc_len")  # per decode batch: computed once, after the states are built
+    if kept is not None:
+        return kept
     n = original_fn(*args, **kwargs)
     tree = STARTUP_TREE.get("tree")
     if tree is None or n <= 1:  # not a tree server's scheduler yet, or no speculation
         return n
     from sglang.srt.runtime_context import max_speculative_num_draft_tokens
 
-    return max(tree.topk * tree.steps, tree.draft_tokens, max_speculative_num_draft_tokens() or 0)
+    kept = STARTUP_TREE["alloc_len"] = max(tree.topk * tree.steps, tree.draft_tokens,
+                                           max_speculative_num_draft_tokens() or 0)
+    return kept
 
 
 PARAMS = "sglang.srt.speculative.adaptive_spec_params"
